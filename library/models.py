@@ -1,0 +1,250 @@
+"""Loading Stable Diffusion 1.x / 2.x models, always offline.
+
+``load_sd_model`` accepts what sd-scripts' ``--pretrained_model_name_or_path`` accepts locally (a diffusers folder or a
+single ``.safetensors`` / ``.ckpt`` file, as ``library/model_util.py`` ``load_models_from_stable_diffusion_checkpoint``
+does) plus ``builtin:tiny-sd15``, the tiny model of ``library.tiny_model``. Hub ids are refused: nothing is
+downloaded. The configs a single file needs are bundled in ``library/assets/configs/``, the CLIP tokenizer in
+``library/assets/clip_tokenizer`` (SD1.x, pad = ``<|endoftext|>``) and ``clip_tokenizer_v2`` (SD2.x, pad = ``!``).
+
+The noise scheduler is built like sd-scripts' ``train_network.py`` builds it (DDPM, beta 0.00085 → 0.012,
+scaled_linear, 1000 steps, ``clip_sample=False``) whatever the checkpoint's own scheduler says; its
+``prediction_type`` follows ``--v_parameterization``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from library.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+CONFIGS = ASSETS / "configs"
+BUILTIN_TINY = "builtin:tiny-sd15"
+ACCEPTED_FORMS = (
+    f'"{BUILTIN_TINY}", a diffusers folder (with model_index.json, unet/, vae/, text_encoder/, tokenizer/), '
+    "or a single-file SD 1.x/2.x checkpoint (.safetensors, .ckpt, .pt)"
+)
+
+
+@dataclass
+class SDModel:
+    """A loaded Stable Diffusion 1.x / 2.x model: the pieces ``train_network.py`` uses."""
+
+    unet: UNet2DConditionModel
+    vae: AutoencoderKL
+    text_encoder: CLIPTextModel
+    tokenizer: CLIPTokenizer
+    noise_scheduler: DDPMScheduler
+    v2: bool
+    v_parameterization: bool
+    name: str
+
+
+def force_offline() -> None:
+    """Make huggingface_hub, transformers and diffusers refuse any network access in this process."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DIFFUSERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ[var] = "1"
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run a block with the CPU RNG seeded to ``seed``, restoring the caller's RNG state afterwards."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def config_dir(name: str) -> Path:
+    """The bundled config folder ``library/assets/configs/<name>`` (``sd15``, ``sd2-512``, ``sd2-768-v``, ...)."""
+    path = CONFIGS / name
+    if not path.is_dir():
+        raise FileNotFoundError(f"bundled config {path} is missing; the checkout is incomplete")
+    return path
+
+
+def load_tokenizer(v2: bool) -> CLIPTokenizer:
+    """The bundled CLIP tokenizer; SD2's pads with "!" (id 0) like stabilityai/stable-diffusion-2's tokenizer."""
+    from transformers import CLIPTokenizer
+
+    return CLIPTokenizer.from_pretrained(str(ASSETS / ("clip_tokenizer_v2" if v2 else "clip_tokenizer")))
+
+
+def build_noise_scheduler(v_parameterization: bool) -> DDPMScheduler:
+    """sd-scripts' training scheduler: DDPM, scaled_linear 0.00085 → 0.012, 1000 steps, no sample clipping."""
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        num_train_timesteps=1000,
+        clip_sample=False,
+        prediction_type="v_prediction" if v_parameterization else "epsilon",
+    )
+
+
+def build_from_config(config: Path, *, empty: bool) -> tuple[UNet2DConditionModel, AutoencoderKL, CLIPTextModel]:
+    """UNet, VAE and text encoder from a diffusers-style config folder.
+
+    ``empty=True`` builds them on the meta device (no memory, no init time) to be filled with
+    ``load_state_dict(..., assign=True)``; otherwise weights are randomly initialised from torch's current RNG.
+    """
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    context = init_empty_weights() if empty else contextlib.nullcontext()
+    with context:
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(str(config / "unet")))
+        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(str(config / "vae")))
+        text_encoder = CLIPTextModel(CLIPTextConfig.from_json_file(str(config / "text_encoder" / "config.json")))
+    return unet, vae, text_encoder
+
+
+def _freeze(model: torch.nn.Module) -> None:
+    model.requires_grad_(False)
+    model.eval()
+
+
+def assemble(
+    unet: UNet2DConditionModel,
+    vae: AutoencoderKL,
+    text_encoder: CLIPTextModel,
+    *,
+    v2: bool,
+    v_parameterization: bool,
+    name: str,
+    tokenizer: CLIPTokenizer | None = None,
+) -> SDModel:
+    for part in (unet, vae, text_encoder):
+        _freeze(part)
+    return SDModel(
+        unet=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer if tokenizer is not None else load_tokenizer(v2),
+        noise_scheduler=build_noise_scheduler(v_parameterization),
+        v2=v2,
+        v_parameterization=v_parameterization,
+        name=name,
+    )
+
+
+def _load_diffusers_folder(path: Path, *, v2: bool, v_parameterization: bool) -> SDModel:
+    """A diffusers pipeline folder, read like ``StableDiffusionPipeline.from_pretrained`` reads its parts."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    missing = [sub for sub in ("unet", "vae", "text_encoder") if not (path / sub).is_dir()]
+    if missing:
+        raise UserError(
+            f"--pretrained_model_name_or_path {path}: diffusers folder lacks {', '.join(missing)}/; "
+            f"point it at a complete pipeline folder, or use {ACCEPTED_FORMS}"
+        )
+    unet = UNet2DConditionModel.from_pretrained(str(path), subfolder="unet", local_files_only=True)
+    vae = AutoencoderKL.from_pretrained(str(path), subfolder="vae", local_files_only=True)
+    text_encoder = CLIPTextModel.from_pretrained(str(path), subfolder="text_encoder", local_files_only=True)
+    folder_is_v2 = text_encoder.config.hidden_size == 1024
+    _check_v2_flag(path, file_is_v2=folder_is_v2, v2=v2)
+    tokenizer = None
+    if (path / "tokenizer").is_dir():
+        tokenizer = CLIPTokenizer.from_pretrained(str(path), subfolder="tokenizer", local_files_only=True)
+    return assemble(
+        unet, vae, text_encoder, v2=v2, v_parameterization=v_parameterization, name=str(path), tokenizer=tokenizer
+    )
+
+
+def _check_v2_flag(path: Path, *, file_is_v2: bool, v2: bool) -> None:
+    if file_is_v2 and not v2:
+        raise UserError(
+            f"--pretrained_model_name_or_path {path} is a Stable Diffusion 2.x model (OpenCLIP-H text encoder); "
+            "add --v2 (and --v_parameterization for 768-v models such as SD 2.0-768 / 2.1)"
+        )
+    if v2 and not file_is_v2:
+        raise UserError(
+            f"--pretrained_model_name_or_path {path} is a Stable Diffusion 1.x model (CLIP-L text encoder) "
+            "but --v2 was given; remove --v2"
+        )
+
+
+def _replace_vae(model: SDModel, vae_path: str) -> None:
+    """``--vae``: a diffusers VAE folder (config.json, or a pipeline folder with vae/) or a single-file VAE."""
+    from diffusers import AutoencoderKL
+
+    from library import single_file
+
+    path = Path(vae_path)
+    if path.is_dir():
+        subfolder = "vae" if (path / "vae" / "config.json").is_file() else None
+        if subfolder is None and not (path / "config.json").is_file():
+            raise UserError(f"--vae {path}: folder has neither config.json nor vae/config.json; give a diffusers VAE")
+        vae = AutoencoderKL.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
+    elif path.is_file():
+        vae = single_file.load_vae_file(path, config_dir(single_file.vae_config_name(model)))
+    else:
+        raise UserError(f"--vae {path}: no such file or folder; give a diffusers VAE folder or a .safetensors VAE")
+    _freeze(vae)
+    model.vae = vae
+
+
+def load_sd_model(
+    path: str, *, v2: bool = False, v_parameterization: bool = False, vae: str | None = None
+) -> SDModel:
+    """Load an SD 1.x / 2.x model for LoRA training, offline.
+
+    ``path`` is ``builtin:tiny-sd15``, a diffusers folder, or a single-file checkpoint. ``v2`` must match the
+    model (sd-scripts' ``--v2``); ``vae`` replaces the VAE (sd-scripts' ``--vae``). Raises ``UserError`` for a
+    missing path, an unknown file type, or an SD2 model without ``--v2``.
+    """
+    force_offline()
+    if path == BUILTIN_TINY:
+        if v2:
+            raise UserError(f"{BUILTIN_TINY} is an SD 1.x-shaped model; remove --v2")
+        from library.tiny_model import build_tiny_sd15
+
+        model = build_tiny_sd15()
+        model.v_parameterization = v_parameterization
+        model.noise_scheduler = build_noise_scheduler(v_parameterization)
+    else:
+        model = _load_path(Path(path), v2=v2, v_parameterization=v_parameterization)
+    if vae is not None:
+        _replace_vae(model, vae)
+    return model
+
+
+def _load_path(path: Path, *, v2: bool, v_parameterization: bool) -> SDModel:
+    from library import single_file
+
+    if path.is_dir():
+        if not (path / "model_index.json").is_file():
+            raise UserError(
+                f"--pretrained_model_name_or_path {path}: folder has no model_index.json, so it is not a diffusers "
+                f"pipeline; accepted: {ACCEPTED_FORMS}"
+            )
+        return _load_diffusers_folder(path, v2=v2, v_parameterization=v_parameterization)
+    if path.is_file():
+        if path.suffix.lower() not in single_file.SUFFIXES:
+            raise UserError(
+                f"--pretrained_model_name_or_path {path}: unknown file type {path.suffix!r}; accepted: {ACCEPTED_FORMS}"
+            )
+        return single_file.load_checkpoint(path, v2=v2, v_parameterization=v_parameterization)
+    hint = " (hub ids are not downloaded: give a local copy)" if "/" in str(path) and not path.parent.exists() else ""
+    raise UserError(f"--pretrained_model_name_or_path {path}: no such file or folder{hint}; accepted: {ACCEPTED_FORMS}")
+
+
+def state_dict_cpu(module: torch.nn.Module) -> dict[str, Any]:
+    """The module's state dict with every tensor detached, contiguous and on CPU (ready for safetensors)."""
+    return {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
