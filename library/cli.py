@@ -1,0 +1,187 @@
+"""Command line and ``--config_file`` handling with sd-scripts' flag names.
+
+The flags are generated from the config dataclasses (``library/config.py``), one argparse group per
+section, so a flag's name, default, type and help exist in one place. Precedence is sd-scripts':
+explicit command-line flag > ``--config_file`` TOML > default. Unlike sd-scripts, an unknown TOML key
+or flag is an error with a suggestion instead of being ignored, and TOML values are type-checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from library.config import SECTION_CLASSES, TrainConfig, all_fields, from_namespace
+from library.errors import UserError, did_you_mean
+
+# Flags sd-scripts still accepts under an old name; the value is the current flag.
+LEGACY_FLAGS = {"caption_extention": "caption_extension"}
+# Legacy optimizer switches (sd-scripts: an error when combined with --optimizer_type).
+LEGACY_OPTIMIZER_FLAGS = {"use_8bit_adam": "AdamW8bit", "use_lion_optimizer": "Lion"}
+
+PROG = "train_network.py"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ``UserError`` (with a did-you-mean for unknown flags) instead of exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):
+            known = [o.lstrip("-") for a in self._actions for o in a.option_strings]
+            hints = []
+            for arg in message.split(":", 1)[1].split():
+                if arg.startswith("--"):
+                    hints.append(f"unknown flag {arg.split('=')[0]}{did_you_mean(arg[2:].split('=')[0], known)}")
+            raise UserError(*(hints or [message]), f"run `python {PROG} --help` for the list of flags")
+        raise UserError(f"{message} (run `python {PROG} --help` for usage)")
+
+
+def _kind(f: dataclasses.Field) -> str:
+    """The value kind of a field from its annotation: bool, list, int, float or str."""
+    t = str(f.type).replace(" ", "")
+    if t == "bool":
+        return "bool"
+    if t.startswith("list["):
+        return "list"
+    first = t.split("|")[0]
+    return first if first in ("int", "float") else "str"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser; every default is ``SUPPRESS`` so that explicit flags can be told apart."""
+    parser = _Parser(prog=PROG, description="Train a LoRA for Stable Diffusion 1.x/2.x (kohya sd-scripts flags).",
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    for section, cls in SECTION_CLASSES.items():
+        group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            help_text = f"{meta['help']} (default: {default})"
+            kind = _kind(f)
+            kwargs: dict[str, Any] = {"help": help_text}
+            if kind == "bool":
+                kwargs["action"] = "store_true"
+            elif kind == "list":
+                kwargs["nargs"] = "*"
+            else:
+                kwargs["type"] = meta["parse"] or {"int": int, "float": float}.get(kind, str)
+                if meta["choices"]:
+                    kwargs["choices"] = meta["choices"]
+            names = [f"--{f.name}"] + [f"--{old}" for old, new in LEGACY_FLAGS.items() if new == f.name]
+            group.add_argument(*names, dest=f.name, **kwargs)
+    legacy = parser.add_argument_group("legacy", "old sd-scripts switches, kept for existing scripts")
+    for name, optimizer in LEGACY_OPTIMIZER_FLAGS.items():
+        legacy.add_argument(f"--{name}", action="store_true", help=f"same as --optimizer_type {optimizer}")
+    return parser
+
+
+def _check_toml_value(name: str, value: Any, f: dataclasses.Field, where: str) -> Any:
+    """Type-check (and parse) one TOML value the way the matching flag would."""
+    kind, parse = _kind(f), f.metadata["parse"]
+    if value is None:
+        return None
+    if parse is not None:
+        return parse(value)
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+        "list": isinstance(value, list) and all(isinstance(v, str) for v in value),
+    }[kind]
+    if not ok:
+        expected = {"list": "a list of strings", "int": "an integer", "float": "a number",
+                    "bool": "true or false", "str": "a string"}[kind]
+        raise UserError(f"{where}: {name} = {value!r}: expected {expected}")
+    choices = f.metadata["choices"]
+    if choices and value not in choices:
+        raise UserError(f"{where}: {name} = {value!r}: expected one of {', '.join(choices)}")
+    return float(value) if kind == "float" else value
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Read a training-arguments TOML as sd-scripts does (all tables flattened), but strictly.
+
+    Unknown keys, keys given in two tables and values of the wrong type are errors that name the
+    file, the table and the key; all of them are reported at once.
+    """
+    file = Path(path if path.endswith(".toml") else path + ".toml")
+    if not file.is_file():
+        raise UserError(f"--config_file {file}: file not found")
+    try:
+        data = tomllib.loads(file.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{file}: not valid TOML: {exc}")
+    fields = all_fields()
+    known = list(fields) + list(LEGACY_FLAGS) + list(LEGACY_OPTIMIZER_FLAGS)
+    values: dict[str, Any] = {}
+    seen_in: dict[str, str] = {}
+    problems: list[str] = []
+
+    def visit(table: dict[str, Any], where: str) -> None:
+        for key, value in table.items():
+            if isinstance(value, dict):
+                visit(value, f"{where}.{key}" if where else key)
+                continue
+            loc = f"{file}: [{where}]" if where else f"{file}:"
+            name = LEGACY_FLAGS.get(key, key)
+            if name not in fields and name not in LEGACY_OPTIMIZER_FLAGS:
+                problems.append(f'{loc} unknown key "{key}"{did_you_mean(key, known)}')
+            elif name in seen_in:
+                problems.append(f'{loc} key "{key}" is also set in [{seen_in[name]}]; keep one')
+            elif name in LEGACY_OPTIMIZER_FLAGS:
+                values[name] = bool(value)
+                seen_in[name] = where
+            else:
+                try:
+                    values[name] = _check_toml_value(key, value, fields[name][1], loc.rstrip(":"))
+                except UserError as exc:
+                    problems.extend(exc.messages)
+                seen_in[name] = where
+
+    visit(data, "")
+    if problems:
+        raise UserError(*problems)
+    return values
+
+
+def _defaults() -> dict[str, Any]:
+    out = {}
+    for name, (_, f) in all_fields().items():
+        out[name] = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return out
+
+
+def _apply_legacy_optimizer(values: dict[str, Any]) -> None:
+    chosen = [name for name in LEGACY_OPTIMIZER_FLAGS if values.pop(name, False)]
+    if not chosen:
+        return
+    if len(chosen) > 1 or values.get("optimizer_type"):
+        raise UserError(f"--{chosen[0]} cannot be combined with --optimizer_type or another legacy switch; "
+                        f"use --optimizer_type {LEGACY_OPTIMIZER_FLAGS[chosen[0]]} alone")
+    values["optimizer_type"] = LEGACY_OPTIMIZER_FLAGS[chosen[0]]
+
+
+def write_config_file(path: str, explicit: dict[str, Any]) -> Path:
+    """``--output_config``: write the explicitly given arguments to a TOML; never overwrite."""
+    import toml
+
+    file = Path(path if path.endswith(".toml") else path + ".toml")
+    if file.exists():
+        raise UserError(f"--output_config: {file} exists; choose another --config_file path or remove it")
+    skip = {"config_file", "output_config"}
+    body = {k: list(v) if isinstance(v, tuple) else v for k, v in explicit.items() if k not in skip and v is not None}
+    file.write_text(toml.dumps(body), encoding="utf-8")
+    return file
+
+
+def parse_args(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
+    """Parse a kohya command line into a ``TrainConfig``; also return the explicitly given values."""
+    explicit = vars(build_parser().parse_args(argv))
+    from_file = read_config_file(explicit["config_file"]) if explicit.get("config_file") else {}
+    values = {**_defaults(), **from_file, **explicit}
+    _apply_legacy_optimizer(values)
+    return from_namespace(values), {**from_file, **explicit}
