@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from library.errors import UserError
 
@@ -129,6 +129,7 @@ def assemble(
     name: str,
     tokenizer: CLIPTokenizer | None = None,
 ) -> SDModel:
+    """Freeze the parts (eval, no grad) and wrap them with a tokenizer and sd-scripts' training scheduler."""
     for part in (unet, vae, text_encoder):
         _freeze(part)
     return SDModel(
@@ -193,7 +194,7 @@ def _replace_vae(model: SDModel, vae_path: str) -> None:
             raise UserError(f"--vae {path}: folder has neither config.json nor vae/config.json; give a diffusers VAE")
         vae = AutoencoderKL.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
     elif path.is_file():
-        vae = single_file.load_vae_file(path, config_dir(single_file.vae_config_name(model)))
+        vae = single_file.load_vae_file(path, model.vae)
     else:
         raise UserError(f"--vae {path}: no such file or folder; give a diffusers VAE folder or a .safetensors VAE")
     _freeze(vae)
@@ -245,6 +246,3 @@ def _load_path(path: Path, *, v2: bool, v_parameterization: bool) -> SDModel:
     raise UserError(f"--pretrained_model_name_or_path {path}: no such file or folder{hint}; accepted: {ACCEPTED_FORMS}")
 
 
-def state_dict_cpu(module: torch.nn.Module) -> dict[str, Any]:
-    """The module's state dict with every tensor detached, contiguous and on CPU (ready for safetensors)."""
-    return {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}

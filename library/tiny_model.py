@@ -40,15 +40,18 @@ def build_tiny_sd15(seed: int = 0) -> SDModel:
 
 
 def save_diffusers_folder(model: SDModel, out_dir: Path) -> None:
-    """Write ``model`` as a diffusers StableDiffusionPipeline folder (no safety checker)."""
-    from diffusers import StableDiffusionPipeline
+    """Write ``model`` as a diffusers StableDiffusionPipeline folder (no safety checker).
+
+    The folder's scheduler gets SD's released ``steps_offset=1`` for inference; training uses ``noise_scheduler``.
+    """
+    from diffusers import DDPMScheduler, StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline(
         vae=model.vae,
         text_encoder=model.text_encoder,
         tokenizer=model.tokenizer,
         unet=model.unet,
-        scheduler=model.noise_scheduler,
+        scheduler=DDPMScheduler.from_config(model.noise_scheduler.config, steps_offset=1),
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
