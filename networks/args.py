@@ -1,0 +1,272 @@
+"""``--network_args`` for ``networks.lora``: conversion, validation and the block (per-layer) dims / LR weights.
+
+sd-scripts passes ``--network_args k=v ...`` to ``create_network`` as ``**kwargs`` with string values and each
+network converts them itself (``networks/lora.py`` ``create_network`` / ``get_block_dims_and_alphas`` /
+``get_block_lr_weight``). Here every key is converted and range-checked up front: a bad value or an unknown key is a
+``UserError`` naming the key and what it accepts, where sd-scripts would assert, crash later or silently ignore it.
+
+Block indices (SD1.x/2.x U-Net, 25 of them): 0 unused, 1-11 down (1 + 3*block + j), 12 mid, 13-24 up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from library.errors import UserError, did_you_mean
+
+NUM_BLOCKS = 12
+NUM_MID_BLOCKS = 1
+NUM_TOTAL_BLOCKS = NUM_BLOCKS * 2 + NUM_MID_BLOCKS  # 25
+LR_WEIGHT_PRESETS = ("cosine", "sine", "linear", "reverse_linear", "zeros")
+
+ACCEPTED_KEYS = (
+    "conv_dim",
+    "conv_alpha",
+    "dropout",
+    "rank_dropout",
+    "module_dropout",
+    "block_dims",
+    "block_alphas",
+    "conv_block_dims",
+    "conv_block_alphas",
+    "down_lr_weight",
+    "mid_lr_weight",
+    "up_lr_weight",
+    "block_lr_zero_threshold",
+    "loraplus_lr_ratio",
+    "loraplus_unet_lr_ratio",
+    "loraplus_text_encoder_lr_ratio",
+)
+
+
+@dataclass
+class LoRAArgs:
+    """Converted ``network_args`` plus the CLI values that ``create_network`` receives."""
+
+    dim: int = 4
+    alpha: float = 1.0
+    neuron_dropout: float | None = None
+    rank_dropout: float | None = None
+    module_dropout: float | None = None
+    conv_dim: int | None = None
+    conv_alpha: float | None = None
+    block_dims: list[int] | None = None
+    block_alphas: list[float] | None = None
+    conv_block_dims: list[int] | None = None
+    conv_block_alphas: list[float] | None = None
+    block_lr_weight: list[float] | None = None
+    loraplus_lr_ratio: float | None = None
+    loraplus_unet_lr_ratio: float | None = None
+    loraplus_text_encoder_lr_ratio: float | None = None
+
+
+def _number(key: str, value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"network_args {key}={value!r}: not a number") from None
+    if not math.isfinite(number):
+        raise UserError(f"network_args {key}={value!r}: must be a finite number")
+    return number
+
+
+def parse_probability(key: str, value: Any) -> float | None:
+    """A dropout probability in [0, 1); None stays None (no dropout)."""
+    if value is None:
+        return None
+    p = _number(key, value)
+    if not 0.0 <= p < 1.0:
+        raise UserError(
+            f"network_args {key}={value}: must be a probability in [0, 1) (0 = no dropout; 1 would drop everything)"
+        )
+    return p
+
+
+def _positive(key: str, value: Any) -> float:
+    number = _number(key, value)
+    if number <= 0:
+        raise UserError(f"network_args {key}={value}: must be a number > 0")
+    return number
+
+
+def _non_negative_int(key: str, value: Any) -> int:
+    text = str(value).strip()
+    try:
+        number = int(text)
+    except ValueError:
+        raise UserError(f"network_args {key}={value!r}: must be a whole number >= 0") from None
+    if number < 0:
+        raise UserError(f"network_args {key}={value}: must be a whole number >= 0")
+    return number
+
+
+def _block_list(key: str, value: str, integer: bool) -> list[Any]:
+    items = [s.strip() for s in str(value).split(",")]
+    if len(items) != NUM_TOTAL_BLOCKS:
+        raise UserError(
+            f"network_args {key}: needs exactly {NUM_TOTAL_BLOCKS} comma-separated values for SD1.x/2.x "
+            f"(block 0 unused, 1-11 down, 12 mid, 13-24 up), got {len(items)}"
+        )
+    if integer:
+        return [_non_negative_int(key, s) for s in items]
+    return [_number(key, s) for s in items]
+
+
+def _lr_weight_list(key: str, value: str, length: int) -> list[float]:
+    """A comma list (empty entries = 0, as sd-scripts) or, for down/up, a preset name with optional ``+base``."""
+    text = str(value).strip()
+    name, _, base_text = text.partition("+")
+    if name in LR_WEIGHT_PRESETS and length == NUM_BLOCKS:
+        base = _number(key, base_text) if base_text else 0.0
+        n = length - 1
+        curves = {
+            "cosine": [math.sin(math.pi * (i / n) / 2) for i in reversed(range(length))],
+            "sine": [math.sin(math.pi * (i / n) / 2) for i in range(length)],
+            "linear": [i / n for i in range(length)],
+            "reverse_linear": [i / n for i in reversed(range(length))],
+            "zeros": [0.0] * length,
+        }
+        return [w + base for w in curves[name]]
+    try:
+        weights = [float(s) if s.strip() else 0.0 for s in text.split(",")]
+    except ValueError:
+        presets = f" or one of {', '.join(LR_WEIGHT_PRESETS)} (optionally +base)" if length == NUM_BLOCKS else ""
+        raise UserError(f"network_args {key}={value!r}: expected comma-separated numbers{presets}") from None
+    # sd-scripts: too long is truncated, too short is padded with 1.0
+    return (weights + [1.0] * length)[:length]
+
+
+def parse_block_lr_weight(kwargs: Mapping[str, Any]) -> list[float] | None:
+    """The 25 per-block LR weights from down/mid/up_lr_weight, or None when none is given.
+
+    A weight <= ``block_lr_zero_threshold`` becomes 0 (that block gets no LoRA modules). The list is down(12) +
+    mid(1) + up(12) as sd-scripts' ``get_block_lr_weight``; entry i belongs to block index i (entry 0 is the input
+    conv, never targeted).
+    """
+    down, mid, up = (kwargs.get(k) for k in ("down_lr_weight", "mid_lr_weight", "up_lr_weight"))
+    if down is None and mid is None and up is None:
+        return None
+    threshold = _number("block_lr_zero_threshold", kwargs.get("block_lr_zero_threshold") or 0.0)
+    parts = [
+        _lr_weight_list("down_lr_weight", down, NUM_BLOCKS) if down is not None else [1.0] * NUM_BLOCKS,
+        _lr_weight_list("mid_lr_weight", mid, NUM_MID_BLOCKS) if mid is not None else [1.0] * NUM_MID_BLOCKS,
+        _lr_weight_list("up_lr_weight", up, NUM_BLOCKS) if up is not None else [1.0] * NUM_BLOCKS,
+    ]
+    return [w if w > threshold else 0.0 for part in parts for w in part]
+
+
+def parse_network_args(
+    network_dim: int | None, network_alpha: float | None, neuron_dropout: float | None, kwargs: Mapping[str, Any]
+) -> LoRAArgs:
+    """Convert and validate everything ``networks.lora.create_network`` receives.
+
+    ``dropout`` is accepted as another name for the neuron dropout: sd-scripts' trainer adds
+    ``dropout=<--network_dropout>`` to the kwargs for LyCORIS. ``None`` values count as not given.
+    """
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    unknown = [k for k in given if k not in ACCEPTED_KEYS]
+    if unknown:
+        raise UserError(
+            *(
+                f"unknown network_args key {k!r} for networks.lora{did_you_mean(k, ACCEPTED_KEYS)}; "
+                f"accepted: {', '.join(ACCEPTED_KEYS)}"
+                for k in unknown
+            )
+        )
+    args = LoRAArgs()
+    if network_dim is not None:
+        args.dim = _non_negative_int("network_dim", network_dim)
+        if args.dim == 0:
+            raise UserError("--network_dim 0: the rank must be at least 1")
+    if network_alpha is not None:
+        args.alpha = _number("network_alpha", network_alpha)
+    args.neuron_dropout = parse_probability("network_dropout", neuron_dropout)
+    alias = parse_probability("dropout", given.get("dropout"))
+    if alias is not None and args.neuron_dropout is not None and alias != args.neuron_dropout:
+        raise UserError(
+            f"network_args dropout={alias} contradicts --network_dropout {args.neuron_dropout}; give only one"
+        )
+    args.neuron_dropout = args.neuron_dropout if args.neuron_dropout is not None else alias
+    args.rank_dropout = parse_probability("rank_dropout", given.get("rank_dropout"))
+    args.module_dropout = parse_probability("module_dropout", given.get("module_dropout"))
+    if "conv_dim" in given:
+        args.conv_dim = _non_negative_int("conv_dim", given["conv_dim"])
+        args.conv_alpha = _number("conv_alpha", given.get("conv_alpha", 1.0))
+    elif "conv_alpha" in given:
+        raise UserError("network_args conv_alpha needs conv_dim (the rank of the 3x3 conv LoRA) as well")
+    for key in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
+        if key in given:
+            setattr(args, key, _positive(key, given[key]))
+    args.block_lr_weight = _block_lr_weight_checked(given)
+    _parse_block_dims(args, given)
+    return args
+
+
+def _block_lr_weight_checked(given: Mapping[str, Any]) -> list[float] | None:
+    """Block LR weights; ``block_lr_zero_threshold`` alone is an error (it only filters those weights)."""
+    weights = parse_block_lr_weight(given)
+    if weights is None and "block_lr_zero_threshold" in given:
+        raise UserError("network_args block_lr_zero_threshold needs down_lr_weight, mid_lr_weight or up_lr_weight")
+    return weights
+
+
+def _parse_block_dims(args: LoRAArgs, given: Mapping[str, Any]) -> None:
+    """Per-block dims/alphas as sd-scripts ``get_block_dims_and_alphas`` + ``remove_block_dims_and_alphas``."""
+    block_keys = ("block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas")
+    if "block_dims" not in given and args.block_lr_weight is None:
+        stray = [k for k in block_keys if k in given]
+        if stray:
+            raise UserError(f"network_args {', '.join(stray)} need block_dims (or a block LR weight) as well")
+        return
+    n = NUM_TOTAL_BLOCKS
+    args.block_dims = _block_list("block_dims", given["block_dims"], True) if "block_dims" in given else [args.dim] * n
+    args.block_alphas = (
+        _block_list("block_alphas", given["block_alphas"], False) if "block_alphas" in given else [args.alpha] * n
+    )
+    if "conv_block_dims" in given:
+        args.conv_block_dims = _block_list("conv_block_dims", given["conv_block_dims"], True)
+        conv_alpha = args.conv_alpha if args.conv_alpha is not None else 1.0
+        args.conv_block_alphas = (
+            _block_list("conv_block_alphas", given["conv_block_alphas"], False)
+            if "conv_block_alphas" in given
+            else [conv_alpha] * n
+        )
+    elif "conv_block_alphas" in given:
+        raise UserError("network_args conv_block_alphas needs conv_block_dims as well")
+    elif args.conv_dim is not None:
+        args.conv_block_dims = [args.conv_dim] * n
+        args.conv_block_alphas = [args.conv_alpha if args.conv_alpha is not None else 1.0] * n
+    if args.block_lr_weight is not None:
+        for i, weight in enumerate(args.block_lr_weight):
+            if weight == 0:
+                args.block_dims[i] = 0
+                if args.conv_block_dims is not None:
+                    args.conv_block_dims[i] = 0
+
+
+def network_metadata(
+    network_module: str,
+    dim: int | None,
+    alpha: float | None,
+    dropout: float | None,
+    network_args: Mapping[str, Any] | None,
+) -> dict[str, str]:
+    """The ``ss_network_*`` entries exactly as sd-scripts' ``train_network.py`` writes them (all ``str(...)``).
+
+    Pass the raw CLI values: ``--network_dim`` unset gives ``"None"``, ``--network_alpha`` unset is the int default
+    1 (``"1"``), a given ``--network_alpha 8`` is a float (``"8.0"``). ``ss_network_args`` is the JSON of the
+    key/value strings and is only written when network_args were given.
+    """
+    metadata = {
+        "ss_network_module": str(network_module),
+        "ss_network_dim": str(dim),
+        "ss_network_alpha": str(alpha),
+        "ss_network_dropout": str(dropout),
+    }
+    if network_args:
+        metadata["ss_network_args"] = json.dumps(dict(network_args))
+    return metadata

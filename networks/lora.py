@@ -1,0 +1,349 @@
+"""LoRA / LoCon network for SD1.x/2.x, file- and flag-compatible with sd-scripts' ``networks/lora.py``.
+
+The trainer imports the module named by ``--network_module`` and uses this protocol (as sd-scripts does):
+``create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=None, **kwargs)``
+and ``create_network_from_weights(multiplier, file, vae, text_encoder, unet, weights_sd=None, for_inference=False,
+**kwargs)``, then on the network ``apply_to``, ``load_weights``, ``prepare_optimizer_params``, ``prepare_grad_etc``,
+``on_epoch_start``, ``get_trainable_params``, ``apply_max_norm_regularization``, ``set_multiplier``,
+``save_weights``; ``is_mergeable`` / ``merge_to`` for ``--base_weights``.
+
+Targets (§9.1): Linear / Conv2d inside ``Transformer2DModel`` (U-Net) and CLIP attention / MLP (text encoder); with
+``conv_dim`` or ``conv_block_dims`` also inside ``ResnetBlock2D`` / ``Downsample2D`` / ``Upsample2D``, where 3x3
+convs get conv_dim/conv_alpha and Linear / 1x1 convs the linear dim/alpha. Keys: ``lora_unet_<path>`` and
+``lora_te_text_model_<path>`` (``text_model`` kept for transformers 5, whose CLIPTextModel lost that submodule), each
+with ``.lora_down.weight``, ``.lora_up.weight`` and a 0-dim ``.alpha``; files load in diffusers, ComfyUI and A1111.
+
+Saving (§9.7) is atomic (``<file>.tmp`` then ``os.replace``); ``.safetensors`` gets the metadata plus
+``sshs_model_hash`` / ``sshs_legacy_hash`` as sd-scripts' ``train_util.precalculate_safetensors_hashes``; other
+extensions use ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from library.errors import UserError
+from networks.args import LoRAArgs, network_metadata, parse_network_args
+from networks.lora_modules import (
+    TEXT_ENCODER_TARGETS,
+    UNET_CONV_TARGETS,
+    UNET_TARGETS,
+    LoRAModule,
+    block_index,
+    iter_targets,
+    lora_product,
+    text_model_prefix,
+)
+
+__all__ = ["LoRANetwork", "create_network", "create_network_from_weights", "network_metadata", "safetensors_hashes"]
+
+logger = logging.getLogger(__name__)
+
+LORA_PREFIX_UNET = "lora_unet"
+LORA_PREFIX_TEXT_ENCODER = "lora_te"
+
+
+class LoRANetwork(nn.Module):
+    """All LoRA modules of one U-Net + text encoder; modules are registered under their flat ``lora_name``.
+
+    Per-module rank/alpha come from ``modules_dim``/``modules_alpha`` (loaded from a file) when given, else from
+    the block dims, else from ``args.dim``/``args.conv_dim``; a rank of 0 creates no module.
+    """
+
+    def __init__(
+        self,
+        text_encoder: nn.Module | Sequence[nn.Module] | None,
+        unet: nn.Module | None,
+        multiplier: float = 1.0,
+        args: LoRAArgs | None = None,
+        modules_dim: Mapping[str, int] | None = None,
+        modules_alpha: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.args = args if args is not None else LoRAArgs()
+        self.multiplier = multiplier
+        self.block_lr_weight = self.args.block_lr_weight
+        self._modules_dim = modules_dim
+        self._modules_alpha = modules_alpha or {}
+        self.text_encoder_loras: list[LoRAModule] = []
+        for te in _single_text_encoder(text_encoder):
+            targets = iter_targets(te, LORA_PREFIX_TEXT_ENCODER, TEXT_ENCODER_TARGETS, text_model_prefix(te))
+            self.text_encoder_loras = self._create(targets, is_unet=False)
+        unet_classes = UNET_TARGETS
+        if modules_dim is not None or self.args.conv_dim is not None or self.args.conv_block_dims is not None:
+            unet_classes = UNET_TARGETS + UNET_CONV_TARGETS
+        self.unet_loras = self._create(iter_targets(unet, LORA_PREFIX_UNET, unet_classes), True) if unet else []
+        for lora in self.text_encoder_loras + self.unet_loras:
+            self.add_module(lora.lora_name, lora)
+        logger.info("LoRA: %d text encoder modules, %d U-Net modules", len(self.text_encoder_loras),
+                    len(self.unet_loras))
+
+    def _dim_alpha(self, name: str, layer: nn.Module, is_unet: bool) -> tuple[int, Any]:
+        is_3x3 = isinstance(layer, nn.Conv2d) and layer.kernel_size != (1, 1)
+        a = self.args
+        if self._modules_dim is not None:
+            return self._modules_dim.get(name, 0), self._modules_alpha.get(name)
+        if is_unet and a.block_dims is not None:
+            idx = block_index(name)
+            if idx < 0:
+                return 0, None
+            if not is_3x3:
+                return a.block_dims[idx], a.block_alphas[idx] if a.block_alphas else a.alpha
+            if a.conv_block_dims is None or a.conv_block_alphas is None:
+                return 0, None
+            return a.conv_block_dims[idx], a.conv_block_alphas[idx]
+        if not is_3x3:
+            return a.dim, a.alpha
+        return a.conv_dim or 0, a.conv_alpha
+
+    def _create(self, targets: Iterable[tuple[str, nn.Module]], is_unet: bool) -> list[LoRAModule]:
+        loras = []
+        for name, layer in targets:
+            dim, alpha = self._dim_alpha(name, layer, is_unet)
+            if dim:
+                loras.append(
+                    LoRAModule(name, layer, self.multiplier, dim, alpha, dropout=self.args.neuron_dropout,
+                               rank_dropout=self.args.rank_dropout, module_dropout=self.args.module_dropout)
+                )
+        return loras
+
+    @property
+    def loras(self) -> list[LoRAModule]:
+        return self.text_encoder_loras + self.unet_loras
+
+    # --- protocol used by the trainer -------------------------------------------------------------------------
+    def apply_to(self, text_encoder: Any, unet: Any, apply_text_encoder: bool = True, apply_unet: bool = True) -> None:
+        """Patch the original layers' forward; the side not applied loses its modules (not trained, not saved)."""
+        if not apply_text_encoder:
+            self._drop(self.text_encoder_loras)
+            self.text_encoder_loras = []
+        if not apply_unet:
+            self._drop(self.unet_loras)
+            self.unet_loras = []
+        for lora in self.loras:
+            lora.apply_to()
+
+    def _drop(self, loras: list[LoRAModule]) -> None:
+        for lora in loras:
+            delattr(self, lora.lora_name)
+
+    def set_multiplier(self, multiplier: float) -> None:
+        self.multiplier = multiplier
+        for lora in self.loras:
+            lora.multiplier = multiplier
+
+    def is_mergeable(self) -> bool:
+        return True
+
+    def merge_to(self, text_encoder: Any, unet: Any, weights_sd: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
+                 device: torch.device | str | None) -> None:
+        """Add ``multiplier * alpha/rank * up @ down`` from ``weights_sd`` into the original weights (no patching)."""
+        for lora in self.loras:
+            down = weights_sd.get(f"{lora.lora_name}.lora_down.weight")
+            up = weights_sd.get(f"{lora.lora_name}.lora_up.weight")
+            if down is None or up is None:
+                continue
+            alpha = weights_sd.get(f"{lora.lora_name}.alpha")
+            rank = down.shape[0]
+            scale = (float(alpha) if alpha is not None and float(alpha) != 0 else rank) / rank
+            weight = lora.org_module.weight
+            target = device if device is not None else weight.device
+            delta = lora_product(up.to(target, torch.float32), down.to(target, torch.float32))
+            merged = weight.to(target, torch.float32) + lora.multiplier * scale * delta
+            with torch.no_grad():
+                weight.copy_(merged.to(dtype or weight.dtype))
+        logger.info("LoRA weights merged")
+
+    def prepare_optimizer_params(
+        self, text_encoder_lr: float | Sequence[float] | None, unet_lr: float | None, default_lr: float | None
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """Param groups and their names (sd-scripts §5).
+
+        Text encoder group at ``text_encoder_lr`` (else ``default_lr``), U-Net group at ``unet_lr`` (else
+        ``default_lr``), per block (``unet_block<i>``) when block LR weights are set. LoRA+ moves every ``lora_up``
+        into a "plus" group at lr x ratio. A group whose LR is 0 or None is dropped (it will not train).
+        """
+        self.requires_grad_(True)
+        if isinstance(text_encoder_lr, Sequence):
+            text_encoder_lr = text_encoder_lr[0] if text_encoder_lr else None
+        te_lr = text_encoder_lr if text_encoder_lr is not None else default_lr
+        u_lr = unet_lr if unet_lr is not None else default_lr
+        a = self.args
+        groups: list[dict[str, Any]] = []
+        names: list[str] = []
+        te_ratio = a.loraplus_text_encoder_lr_ratio or a.loraplus_lr_ratio
+        unet_ratio = a.loraplus_unet_lr_ratio or a.loraplus_lr_ratio
+        _add_groups(groups, names, "textencoder", self.text_encoder_loras, te_lr, te_ratio)
+        if self.block_lr_weight is None:
+            _add_groups(groups, names, "unet", self.unet_loras, u_lr, unet_ratio)
+        else:
+            by_block: dict[int, list[LoRAModule]] = {}
+            for lora in self.unet_loras:
+                by_block.setdefault(block_index(lora.lora_name), []).append(lora)
+            for idx, loras in by_block.items():
+                weight = self.block_lr_weight[idx] if idx >= 0 else 1.0
+                lr = None if u_lr is None else u_lr * weight
+                _add_groups(groups, names, f"unet_block{idx}", loras, lr, unet_ratio)
+        return groups, names
+
+    def enable_gradient_checkpointing(self) -> None:
+        """No-op: LoRA modules are not checkpointed themselves (sd-scripts does the same)."""
+
+    def prepare_grad_etc(self, text_encoder: Any, unet: Any) -> None:
+        self.requires_grad_(True)
+
+    def on_epoch_start(self, text_encoder: Any, unet: Any) -> None:
+        self.train()
+
+    def get_trainable_params(self) -> Iterable[nn.Parameter]:
+        return self.parameters()
+
+    def apply_max_norm_regularization(self, max_norm_value: float, device: torch.device | str) -> tuple[int, float, float]:
+        """sd-scripts §9.6: W = up·down·alpha/rank; norm = max(|W|, max/2); if min(norm, max)/norm != 1, up and down
+        are each scaled by its square root. Returns (keys scaled, mean norm after, max norm after)."""
+        keys_scaled = 0
+        norms = []
+        for lora in self.loras:
+            up, down = lora.lora_up.weight, lora.lora_down.weight
+            scale = lora.alpha.to(device, torch.float32) / down.shape[0]
+            updown = lora_product(up.detach().to(device, torch.float32), down.detach().to(device, torch.float32))
+            updown = updown * scale
+            norm = updown.norm().clamp(min=max_norm_value / 2)
+            ratio = (norm.clamp(max=max_norm_value) / norm).cpu()
+            if ratio != 1:
+                keys_scaled += 1
+                with torch.no_grad():
+                    up.mul_(ratio.sqrt().to(up.device, up.dtype))
+                    down.mul_(ratio.sqrt().to(down.device, down.dtype))
+            norms.append(float(updown.norm().cpu() * ratio))
+        if not norms:
+            return 0, 0.0, 0.0
+        return keys_scaled, sum(norms) / len(norms), max(norms)
+
+    def load_weights(self, file: str | os.PathLike[str]) -> Any:
+        """Non-strict load (``--network_weights``); returns torch's missing/unexpected keys info."""
+        return self.load_state_dict(load_weights_file(file), strict=False)
+
+    def save_weights(self, file: str | os.PathLike[str], dtype: torch.dtype | None,
+                     metadata: Mapping[str, str] | None) -> None:
+        """Save the LoRA tensors (cast to ``dtype`` on CPU); see the module docstring for format and hashes."""
+        state_dict = {k: v.detach().to("cpu", dtype or v.dtype).clone().contiguous() for k, v in
+                      self.state_dict().items()}
+        save_weights_file(state_dict, file, metadata)
+
+
+def _add_groups(groups: list[dict[str, Any]], names: list[str], label: str, loras: Iterable[LoRAModule],
+                lr: float | None, plus_ratio: float | None) -> None:
+    plain: list[nn.Parameter] = []
+    plus: list[nn.Parameter] = []
+    for lora in loras:
+        for pname, param in lora.named_parameters():
+            (plus if plus_ratio is not None and "lora_up" in pname else plain).append(param)
+    for params, suffix, group_lr in ((plain, "", lr), (plus, " plus", None if lr is None else lr * (plus_ratio or 1))):
+        if not params:
+            continue
+        if not group_lr:
+            logger.info("no learning rate for %s%s: those parameters are not trained", label, suffix)
+            continue
+        groups.append({"params": params, "lr": group_lr})
+        names.append(label + suffix)
+
+
+def _single_text_encoder(text_encoder: nn.Module | Sequence[nn.Module] | None) -> list[nn.Module]:
+    if text_encoder is None:
+        return []
+    if isinstance(text_encoder, nn.Module):
+        return [text_encoder]
+    encoders = list(text_encoder)
+    if len(encoders) > 1:
+        raise UserError("networks.lora here supports SD1.x/2.x (one text encoder); SDXL is not supported")
+    return encoders
+
+
+def create_network(multiplier: float, network_dim: int | None, network_alpha: float | None, vae: Any,
+                   text_encoder: Any, unet: Any, neuron_dropout: float | None = None, **kwargs: Any) -> LoRANetwork:
+    """sd-scripts' entry point; ``kwargs`` are the network_args (strings), validated by ``networks.args``."""
+    args = parse_network_args(network_dim, network_alpha, neuron_dropout, kwargs)
+    return LoRANetwork(text_encoder, unet, multiplier=multiplier, args=args)
+
+
+def create_network_from_weights(multiplier: float, file: str | os.PathLike[str] | None, vae: Any, text_encoder: Any,
+                                unet: Any, weights_sd: Mapping[str, torch.Tensor] | None = None,
+                                for_inference: bool = False, **kwargs: Any) -> tuple[LoRANetwork, dict]:
+    """A network shaped like a saved file: rank from each ``lora_down`` and alpha from ``.alpha`` (rank when
+    absent, as old files), conv modules wherever the file has them. Weights are not loaded here (they may be merged
+    instead); ``kwargs`` may carry block LR weights and LoRA+ ratios. ``for_inference`` is accepted for
+    compatibility; the modules are the same."""
+    if weights_sd is None:
+        if file is None:
+            raise UserError("create_network_from_weights needs a file or weights_sd")
+        weights_sd = load_weights_file(file)
+    dims: dict[str, int] = {}
+    alphas: dict[str, Any] = {}
+    for key, value in weights_sd.items():
+        lora_name, _, rest = key.partition(".")
+        if rest == "alpha":
+            alphas[lora_name] = value
+        elif rest == "lora_down.weight":
+            dims[lora_name] = int(value.shape[0])
+    for name, dim in dims.items():
+        alphas.setdefault(name, dim)
+    args = parse_network_args(None, None, None, kwargs)
+    network = LoRANetwork(text_encoder, unet, multiplier=multiplier, args=args, modules_dim=dims, modules_alpha=alphas)
+    return network, dict(weights_sd)
+
+
+# --- files -------------------------------------------------------------------------------------------------------
+def load_weights_file(file: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Tensors of a ``.safetensors`` file, or of a torch pickle (loaded with ``weights_only=True``)."""
+    path = os.fspath(file)
+    if not os.path.isfile(path):
+        raise UserError(f"network weights file not found: {path}")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def safetensors_hashes(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[str, str]:
+    """``(sshs_model_hash, sshs_legacy_hash)`` as sd-scripts' ``precalculate_safetensors_hashes``.
+
+    Both hash the safetensors serialisation with only the ``ss_*`` metadata: the model hash is sha256 of the
+    bytes after the header (the tensor payload, the same in the final file), the legacy hash the first 8 hex chars
+    of sha256 of the 64 KiB at offset 1 MiB, i.e. of nothing (``e3b0c442``) for files under 1 MiB.
+    """
+    from safetensors.torch import save
+
+    data = save(dict(state_dict), {k: v for k, v in metadata.items() if k.startswith("ss_")})
+    header_len = int.from_bytes(data[:8], "little")
+    model_hash = hashlib.sha256(data[8 + header_len:]).hexdigest()
+    legacy_hash = hashlib.sha256(data[0x100000:0x100000 + 0x10000]).hexdigest()[:8]
+    return model_hash, legacy_hash
+
+
+def save_weights_file(state_dict: Mapping[str, torch.Tensor], file: str | os.PathLike[str],
+                      metadata: Mapping[str, str] | None) -> None:
+    """Write ``<file>.tmp`` then rename it over ``file``, so a crash never leaves a half-written LoRA."""
+    path = os.fspath(file)
+    tmp = path + ".tmp"
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+            meta["sshs_model_hash"], meta["sshs_legacy_hash"] = safetensors_hashes(state_dict, meta)
+            save_file(dict(state_dict), tmp, meta)
+        else:
+            torch.save(dict(state_dict), tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
