@@ -88,6 +88,35 @@ def test_pyramid_with_one_iteration_is_gaussian_plus_full_resolution_gaussian_no
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
 
 
+def bilinear_half_pixel(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Bilinear resize of [..., h, w] with half-pixel centres (align_corners False), written out per axis."""
+    def weights(n_in: int, n_out: int) -> np.ndarray:
+        matrix = np.zeros((n_out, n_in))
+        for i in range(n_out):
+            x = max((i + 0.5) * n_in / n_out - 0.5, 0.0)
+            lo = min(int(np.floor(x)), n_in - 1)
+            hi = min(lo + 1, n_in - 1)
+            matrix[i, lo] += 1 - (x - lo)
+            matrix[i, hi] += x - lo
+        return matrix
+    return weights(image.shape[-2], height) @ image @ weights(image.shape[-1], width).T
+
+
+def test_pyramid_second_level_is_a_bilinear_upsample_weighted_by_the_discount():
+    shape = (1, 2, 16, 16)
+    g = gen(17)
+    out = pyramid_noise(torch.randn(shape, generator=g), iterations=2, discount=0.3, generator=g)
+    replay = gen(17)
+    total = torch.randn(shape, generator=replay).double().numpy()
+    uniform(replay)
+    total = total + torch.randn(shape, generator=replay).double().numpy()
+    ratio = uniform(replay) * 2 + 2
+    side = int(16 / ratio)
+    coarse = torch.randn(1, 2, side, side, generator=replay).double().numpy()
+    total = total + bilinear_half_pixel(coarse, 16, 16) * 0.3
+    np.testing.assert_allclose(out.double().numpy(), total / np.std(total, ddof=1), atol=1e-5)
+
+
 def record_randn_shapes(monkeypatch) -> list[tuple[int, ...]]:
     shapes: list[tuple[int, ...]] = []
     real = torch.randn
