@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         for f in dataclasses.fields(cls):
             meta = f.metadata
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            help_text = f"{meta['help']} (default: {default})"
+            help_text = f"{meta['help']} (default: {default})".replace("%", "%%")
             kind = _kind(f)
             kwargs: dict[str, Any] = {"help": help_text}
             if kind == "bool":

@@ -194,6 +194,9 @@ class PrecisionConfig:
     mixed_precision: str = flag("no", "autocast dtype and dtype of the frozen models", choices=("no", "fp16", "bf16"))
     full_bf16: bool = flag(False, "LoRA weights, gradients and optimizer state in bf16 (needs --mixed_precision bf16)")
     full_fp16: bool = flag(False, "LoRA weights and gradients in fp16 with loss scaling (needs --mixed_precision fp16)")
+    full_bf16_grad_accumulation: str = flag(
+        "stochastic", "how bf16 gradients are summed over --gradient_accumulation_steps: a bf16 sum with "
+        "stochastic rounding (2 bytes/param) or an fp32 buffer (4 bytes/param)", choices=("stochastic", "fp32"))
     no_half_vae: bool = flag(False, "keep the VAE in fp32 under mixed precision")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory")
     sdpa: bool = flag(False, "use PyTorch scaled-dot-product attention (the default attention here)")

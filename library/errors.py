@@ -27,3 +27,9 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     """Return ' (did you mean "x"?)' for the closest candidate, or '' when nothing is close."""
     matches = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f' (did you mean "{matches[0]}"?)' if matches else ""
+
+
+class TrainingDiverged(RuntimeError):
+    """Training stopped after ``--max_nan_steps`` non-finite updates in a row; the weights are the last good ones."""
+
+    exit_code = 3

@@ -1,0 +1,28 @@
+# Two commands: `make demo` trains the demo LoRA, `make test` runs the test suite.
+# Both (re)create .venv from requirements.txt when it is missing or requirements.txt changed.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
+export OMP_NUM_THREADS ?= 1
+export HF_HUB_OFFLINE := 1
+
+.PHONY: demo test venv lint
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: $(STAMP)
+	$(PY) train_network.py --config_file configs/demo.toml
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .

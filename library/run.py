@@ -1,0 +1,105 @@
+"""``run(cfg)``: the only function that sees the whole config; it wires the stages in order.
+
+validate → data (no model needed, so data errors come before anything loads) → step plan → models →
+precision → network → optimizer → LR schedule → latent cache → loop → final save. Each stage gets only
+its own config section. Nothing is written into the output folder until every check has passed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from library import stages
+from library.checkpoint import Saver, make_save_hooks, read_state
+from library.config import TrainConfig, validate
+from library.data import build_train_data
+from library.metadata import optimizer_description, training_metadata
+from library.precision import optimizer_state_dtype, precision_policy
+from library.schedule import describe, plan_steps
+from library.step import BatchLoss
+from library.tracking import Tracker
+from library.train import LoopResult, Position, train_loop
+from library.update import DynamicLossScale, Updater
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    lora_path: Path
+    loop: LoopResult
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run(cfg: TrainConfig) -> RunResult:
+    """Train a LoRA as described by ``cfg``; returns the final file and the loop's figures."""
+    validate(cfg)
+    choice = stages.check_optimizer(cfg.optimizer, cfg.schedule)
+    seed = cfg.run.seed if cfg.run.seed is not None else random.randint(0, 2**31 - 1)
+    data = build_train_data(cfg.data, seed=seed, max_token_length=cfg.model.max_token_length)
+    plan = plan_steps(len(data), batch_size=cfg.data.train_batch_size,
+                      gradient_accumulation_steps=cfg.schedule.gradient_accumulation_steps,
+                      max_train_steps=cfg.schedule.max_train_steps, max_train_epochs=cfg.schedule.max_train_epochs)
+    for line in data.summary() + describe(plan, data.num_train_images, data.num_reg_images):
+        log.info(line)
+    resume = read_state(cfg.save.resume) if cfg.save.resume else None
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    device = _device()
+    policy = precision_policy(cfg.precision)
+    model = stages.load_model(cfg.model, cfg.precision, policy, device)
+    network, train_te = stages.build_network(cfg.network, model, policy, device)
+    if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
+        stages.cache_latents(data, model, policy, device, cfg.data)
+    groups, descriptions = network.prepare_optimizer_params(
+        cfg.optimizer.text_encoder_lr, cfg.optimizer.unet_lr, cfg.optimizer.learning_rate)
+    optimizer = stages.build_optimizer(choice, groups, cfg.optimizer.learning_rate)
+    scheduler = stages.build_scheduler(optimizer, cfg.schedule, choice, plan, cfg.optimizer.learning_rate)
+    for warning in stages.optimizer_warnings(choice, groups, cfg.schedule, cfg.precision.full_bf16, plan):
+        log.warning(warning)
+    accumulation = stages.build_accumulation(network, cfg.schedule, cfg.precision, policy)
+    position = Position()
+    if resume is not None:
+        position = stages.restore(resume, network, optimizer, scheduler, plan)
+
+    out_dir = Path(cfg.save.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = cfg.save.output_name or "last"
+    started = time.time()
+    meta = training_metadata(
+        cfg, plan, dataset_meta=data.metadata(), network_meta=stages.network_meta(cfg.network),
+        optimizer_name=optimizer_description(optimizer, choice.options),
+        stochastic_rounding=stages.rounds_stochastically(choice, policy), num_train_images=data.num_train_images, num_reg_images=data.num_reg_images,
+        started=started)
+    saver = Saver(out_dir, name, cfg.save.save_model_as, stages.save_dtype(cfg.save), cfg.save.save_last_n_epochs,
+                  cfg.save.save_last_n_steps, cfg.save.save_state)
+    tracker = Tracker(cfg.log)
+    params = [p for g in groups for p in g["params"]]
+    updater = Updater(params, optimizer, scheduler, accumulation, plan.gradient_accumulation_steps,
+                      cfg.optimizer.max_grad_norm, cfg.precision.max_nan_steps,
+                      loss_scale=DynamicLossScale() if policy.loss_scaling else None,
+                      max_norm=(network, cfg.network.scale_weight_norms) if cfg.network.scale_weight_norms else None)
+    batch_loss = BatchLoss(model, cfg.noise, cfg.loss, policy, device, torch.Generator().manual_seed(seed),
+                           cfg.model.clip_skip, cfg.model.max_token_length, train_te)
+    stages.compile_unet(model, cfg.precision)
+    saves = make_save_hooks(saver, network, optimizer, scheduler, meta, cfg.save, plan.num_epochs, asdict(cfg))
+    try:
+        result = train_loop(
+            data=data, batch_loss=batch_loss, updater=updater, plan=plan, saves=saves, tracker=tracker,
+            lr_values=stages.lr_reporter(optimizer, descriptions),
+            on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet), start=position)
+    finally:
+        tracker.close()
+        accumulation.remove()
+    log.info(policy.describe(optimizer_state_dtype(optimizer)))
+    return RunResult(out_dir / f"{name}.{cfg.save.save_model_as}", result)

@@ -1,0 +1,73 @@
+"""The loss of one batch: latents, text conditioning, noise, UNet prediction, weighted loss.
+
+Follows sd-scripts' ``NetworkTrainer.process_batch`` for SD1.x/2.x: latents are the VAE sample
+× scaling factor (0.18215), NaN latents become 0 with a warning, the text encoder runs with gradients
+only when its LoRA is trained, the UNet runs under the precision policy's autocast, and the loss is
+computed in fp32 (``library/loss.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from library.config import LossConfig, NoiseConfig
+from library.loss import training_loss
+from library.models import SDModel
+from library.noise import noisy_latents, sample_noise, sample_timesteps, training_target
+from library.precision import PrecisionPolicy
+from library.text_encoding import encode_text, tokenize
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchLoss:
+    """Computes the training loss of a batch; everything it needs is fixed when it is built."""
+
+    model: SDModel
+    noise: NoiseConfig
+    loss: LossConfig
+    policy: PrecisionPolicy
+    device: torch.device
+    generator: torch.Generator
+    clip_skip: int | None
+    max_token_length: int | None
+    train_text_encoder: bool
+
+    def latents(self, batch: dict) -> torch.Tensor:
+        """Scaled latents of the batch, from the cache or encoded now with the frozen VAE."""
+        vae = self.model.vae
+        if "latents" in batch:
+            latents = batch["latents"].to(self.device, torch.float32)
+        else:
+            with torch.no_grad():
+                images = batch["images"].to(self.device, self.policy.vae_dtype)
+                latents = vae.encode(images).latent_dist.sample(generator=None).float()
+        if not torch.isfinite(latents).all():
+            log.warning("NaN/Inf in VAE latents of %s; replaced by 0 (try --no_half_vae)", batch.get("image_paths"))
+            latents = torch.nan_to_num(latents, nan=0.0, posinf=0.0, neginf=0.0)
+        return latents * vae.config.scaling_factor
+
+    def conditioning(self, captions: list[str]) -> torch.Tensor:
+        ids = tokenize(self.model.tokenizer, captions, self.max_token_length).to(self.device)
+        with torch.set_grad_enabled(self.train_text_encoder), self.policy.autocast(self.device):
+            return encode_text(self.model.text_encoder, ids, clip_skip=self.clip_skip,
+                               max_token_length=self.max_token_length, v2=self.model.v2)
+
+    def __call__(self, batch: dict) -> torch.Tensor:
+        latents = self.latents(batch)
+        hidden = self.conditioning(batch["captions"])
+        scheduler = self.model.noise_scheduler
+        noise = sample_noise(latents, self.noise, self.generator)
+        timesteps = sample_timesteps(latents.shape[0], self.noise, self.generator, self.device)
+        noisy = noisy_latents(scheduler, latents, noise, timesteps, self.noise, self.generator)
+        with self.policy.autocast(self.device):
+            pred = self.model.unet(noisy.to(self.policy.frozen_dtype), timesteps,
+                                   hidden.to(self.policy.frozen_dtype)).sample
+        target = training_target(scheduler, latents, noise, timesteps, self.model.v_parameterization)
+        weights = batch["loss_weights"].to(self.device)
+        return training_loss(pred.float(), target.float(), timesteps, weights, self.loss,
+                             scheduler.alphas_cumprod.to(self.device), self.model.v_parameterization)

@@ -1,0 +1,59 @@
+"""Train a LoRA for Stable Diffusion 1.x/2.x with kohya sd-scripts' flags.
+
+    python train_network.py --pretrained_model_name_or_path MODEL --train_data_dir DATA \\
+        --resolution 512 --output_dir OUT --network_module networks.lora [--full_bf16 ...]
+
+Exit codes: 0 done, 2 bad input (nothing written), 3 training diverged (last good LoRA saved),
+130 interrupted (the last saved checkpoint is intact).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+
+def _interrupt_on_sigterm() -> None:
+    """Treat SIGTERM like Ctrl-C, so that both stop the run between atomic writes."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from library.cli import parse_args, write_config_file
+    from library.errors import TrainingDiverged, UserError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        cfg, explicit = parse_args(sys.argv[1:] if argv is None else argv)
+        if cfg.run.output_config:
+            if not cfg.run.config_file:
+                raise UserError("--output_config writes the given arguments to the --config_file path; "
+                                "give --config_file NEW.toml")
+            print(f"wrote {write_config_file(cfg.run.config_file, explicit)}")
+            return 0
+        from library.run import run  # heavy imports (torch, diffusers) only once the flags are valid
+        _interrupt_on_sigterm()
+        result = run(cfg)
+    except UserError as exc:
+        for message in exc.messages:
+            print(f"error: {message}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted: the last saved checkpoint is intact", file=sys.stderr)
+        return 130
+    except TrainingDiverged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    loop = result.loop
+    print(f"saved {result.lora_path}: {loop.position.step} steps, {loop.position.epoch} epochs, "
+          f"final loss {loop.last_loss:.4f}, {loop.seconds:.1f} s ({loop.seconds_per_step:.3f} s/step)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
