@@ -1,7 +1,8 @@
 """Compare Gaussian, offset and multi-resolution (pyramid) training noise: sample maps, radially averaged power
 spectra and the spread of the per-map means, for an SD 512 px latent (4 x 64 x 64).
 
-Run from the repository root: ``.venv/bin/python -m bench.noise``; writes ``bench/results/noise-2026-11-29.png`` and prints its path.
+Run from the repository root: ``.venv/bin/python -m bench.noise``; it writes
+``bench/results/noise-2026-11-29.png`` and prints its path.
 """
 
 from __future__ import annotations
