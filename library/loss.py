@@ -61,7 +61,7 @@ def per_sample_loss(pred: torch.Tensor, target: torch.Tensor, timesteps: torch.T
     ``mask`` is [B, h, w] or [B, 1, h, w] at any resolution; it is area-interpolated to the latent size, as
     sd-scripts' ``train_util.apply_masked_loss`` does. The order follows sd-scripts' ``train_network.py``.
     """
-    c = huber_c(timesteps, cfg, alphas_cumprod) if cfg.loss_type in ("huber", "smooth_l1") else None
+    c = huber_c(timesteps, cfg, alphas_cumprod).to(pred.device) if cfg.loss_type in ("huber", "smooth_l1") else None
     loss = elementwise_loss(pred.float(), target.float(), cfg.loss_type, c)
     if mask is not None:
         mask = mask.float()

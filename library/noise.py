@@ -129,10 +129,10 @@ def sample_timesteps(batch_size: int, cfg: NoiseConfig, generator: torch.Generat
     return steps.long().to(device)
 
 
-def _gather(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, ndim: int) -> torch.Tensor:
-    """ᾱ_t in fp32 on the timesteps' device, shaped to broadcast over a tensor of ``ndim`` dimensions."""
+def _gather(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """ᾱ_t in fp32 on the device of ``like``, shaped to broadcast over it."""
     values = alphas_cumprod.to(device=timesteps.device, dtype=torch.float32)[timesteps]
-    return values.view(-1, *([1] * (ndim - 1)))
+    return values.to(like.device).view(-1, *([1] * (like.ndim - 1)))
 
 
 def noisy_latents(scheduler: NoiseSchedule, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
@@ -151,7 +151,7 @@ def noisy_latents(scheduler: NoiseSchedule, latents: torch.Tensor, noise: torch.
         if cfg.ip_noise_gamma_random_strength:
             strength = _uniform(generator) * cfg.ip_noise_gamma
         applied = applied + strength * _randn(tuple(latents.shape), generator, latents.device)
-    alpha_bar = _gather(scheduler.alphas_cumprod, timesteps, latents.ndim)
+    alpha_bar = _gather(scheduler.alphas_cumprod, timesteps, latents)
     noisy = alpha_bar.sqrt() * latents.float() + (1.0 - alpha_bar).sqrt() * applied
     return noisy.to(latents.dtype)
 
@@ -164,7 +164,7 @@ def training_target(scheduler: NoiseSchedule, latents: torch.Tensor, noise: torc
     """
     if not v_parameterization:
         return noise
-    alpha_bar = _gather(scheduler.alphas_cumprod, timesteps, latents.ndim)
+    alpha_bar = _gather(scheduler.alphas_cumprod, timesteps, latents)
     velocity = alpha_bar.sqrt() * noise.float() - (1.0 - alpha_bar).sqrt() * latents.float()
     return velocity.to(noise.dtype)
 
