@@ -205,7 +205,9 @@ class LoRANetwork(nn.Module):
     def get_trainable_params(self) -> Iterable[nn.Parameter]:
         return self.parameters()
 
-    def apply_max_norm_regularization(self, max_norm_value: float, device: torch.device | str) -> tuple[int, float, float]:
+    def apply_max_norm_regularization(
+        self, max_norm_value: float, device: torch.device | str
+    ) -> tuple[int, float, float]:
         """sd-scripts §9.6: W = up·down·alpha/rank; norm = max(|W|, max/2); if min(norm, max)/norm != 1, up and down
         are each scaled by its square root. Returns (keys scaled, mean norm after, max norm after)."""
         keys_scaled = 0
