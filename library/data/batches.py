@@ -1,0 +1,166 @@
+"""Batches: the per-epoch order of bucket batches and the torch Dataset that renders one batch per item.
+
+sd-scripts makes one dataset item a whole batch (DataLoader batch_size=1) so batches never mix buckets; so does
+this. Differences, on purpose, for reproducibility:
+* the epoch order is derived from ``seed + epoch`` alone (sd-scripts reshuffles the previous epoch's order and the
+  DataLoader shuffles again with torch's global generator), so any epoch can be replayed, e.g. on resume;
+* every random choice of an image (flip, crop, colour, caption) comes from a generator seeded by
+  (seed, epoch, batch position, slot), so the result does not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from library.data.captions import CaptionState, process_caption
+from library.data.images import BrokenImage, load_image
+from library.data.prepare import ImageItem, PreparedDataset
+from library.data.transforms import color_augment, face_box, face_crop, fit_to_bucket, to_tensor
+from library.errors import UserError
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """What the sampler hands a worker: which batch of which epoch, and the step for the token warm-up."""
+
+    epoch: int
+    position: int
+    step: int
+    max_train_steps: int
+
+
+@dataclass(frozen=True)
+class BatchRef:
+    """One batch of the epoch: dataset, bucket and the slice of that bucket's shuffled members."""
+
+    dataset: int
+    bucket: int
+    start: int
+
+
+@dataclass
+class LatentStore:
+    """Cached latents per (dataset, item): tensors in RAM, or the npz file to read them from."""
+
+    ram: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]]
+    disk: dict[tuple[int, int], str]
+
+    def __bool__(self) -> bool:
+        return bool(self.ram or self.disk)
+
+
+def epoch_order(datasets: list[PreparedDataset], seed: int,
+                epoch: int) -> tuple[list[BatchRef], list[list[list[int]]]]:
+    """The batches of one epoch in order, and each bucket's members in their shuffled order.
+
+    Each bucket's members are shuffled, then the list of all batches, with ``random.Random(seed + epoch)``."""
+    rng = random.Random(seed + epoch)
+    members = []
+    refs = []
+    for d, ds in enumerate(datasets):
+        shuffled = []
+        for b, (_, bucket_members) in enumerate(ds.buckets):
+            order = list(bucket_members)
+            rng.shuffle(order)
+            shuffled.append(order)
+            refs.extend(BatchRef(d, b, start) for start in range(0, len(order), ds.spec.batch_size))
+        members.append(shuffled)
+    rng.shuffle(refs)
+    return refs, members
+
+
+class BatchSource(Dataset):
+    """A map-style dataset whose items are whole batches, addressed by ``BatchKey``."""
+
+    def __init__(self, datasets: list[PreparedDataset], seed: int, prior_loss_weight: float,
+                 latents: LatentStore) -> None:
+        self.datasets = datasets
+        self.seed = seed
+        self.prior_loss_weight = prior_loss_weight
+        self.latents = latents
+        self._plan: tuple[int, tuple[list[BatchRef], list[list[list[int]]]]] | None = None
+
+    def __len__(self) -> int:
+        return sum(ds.batch_count() for ds in self.datasets)
+
+    def plan(self, epoch: int) -> tuple[list[BatchRef], list[list[list[int]]]]:
+        if self._plan is None or self._plan[0] != epoch:
+            self._plan = (epoch, epoch_order(self.datasets, self.seed, epoch))
+        return self._plan[1]
+
+    def __getitem__(self, key: BatchKey) -> dict:
+        refs, members = self.plan(key.epoch)
+        ref = refs[key.position]
+        ds = self.datasets[ref.dataset]
+        indices = members[ref.dataset][ref.bucket][ref.start:ref.start + ds.spec.batch_size]
+        state = CaptionState(key.epoch, key.step, key.max_train_steps)
+        pixels, latents, captions = [], [], []
+        for slot, index in enumerate(indices):
+            rng = random.Random(f"{self.seed}:{key.epoch}:{key.position}:{slot}")
+            item = ds.items[index]
+            sub = ds.subsets[item.subset_index].spec
+            flipped = sub.flip_aug and rng.random() < 0.5
+            if self.latents:
+                latents.append(self._cached(ref.dataset, index, flipped))
+            else:
+                pixels.append(self._render(ds, item, flipped, rng))
+            captions.append(process_caption(item.caption, sub, rng, state))
+        batch = {
+            "captions": captions,
+            "loss_weights": torch.tensor([self.prior_loss_weight if ds.items[i].is_reg else 1.0 for i in indices]),
+            "network_multipliers": torch.full((len(indices),), float(ds.spec.network_multiplier)),
+            "image_paths": [ds.items[i].path for i in indices],
+        }
+        if latents:
+            batch["latents"] = torch.stack(latents)
+        else:
+            batch["images"] = torch.stack(pixels)
+        return batch
+
+    def _render(self, ds: PreparedDataset, item: ImageItem, flipped: bool, rng: random.Random) -> torch.Tensor:
+        sub = ds.subsets[item.subset_index].spec
+        interpolation = sub.resize_interpolation or ds.spec.resize_interpolation
+        try:
+            img = load_image(item.path)
+        except BrokenImage as e:
+            raise UserError(str(e), "the image decoded when the dataset was scanned; was it changed since?") from None
+        face = face_box(item.path) if sub.face_crop_aug_range is not None and not ds.spec.enable_bucket else None
+        if face is not None:
+            img = face_crop(img, face, ds.spec.resolution, sub.face_crop_aug_range, sub.random_crop, interpolation,
+                            rng)
+        else:
+            img = fit_to_bucket(img, item.choice, interpolation, rng if sub.random_crop else None)
+        if sub.color_aug:
+            img = color_augment(img, rng)
+        tensor = to_tensor(img)
+        return tensor.flip(2) if flipped else tensor
+
+    def _cached(self, dataset: int, index: int, flipped: bool) -> torch.Tensor:
+        key = (dataset, index)
+        if key in self.latents.ram:
+            plain, mirrored = self.latents.ram[key]
+            return mirrored if flipped else plain
+        with np.load(self.latents.disk[key]) as npz:
+            return torch.from_numpy(np.array(npz["latents_flipped" if flipped else "latents"], dtype=np.float32))
+
+
+class EpochSampler(Sampler):
+    """Yields the ``BatchKey``s of the current epoch; reads epoch and step from ``state`` when iterated."""
+
+    def __init__(self, state: object, length: int) -> None:
+        self.state = state
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[BatchKey]:
+        epoch = self.state.epoch
+        for position in range(self.length):
+            yield BatchKey(epoch, position, self.state.step, self.state.max_train_steps)

@@ -1,0 +1,178 @@
+"""``TrainData``: the datasets of a run, their epoch arithmetic, DataLoader, report, metadata and latent cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader
+
+from library.config import DataConfig
+from library.data import latent_cache
+from library.data.batches import BatchSource, EpochSampler, LatentStore
+from library.data.buckets import crop_ltrb
+from library.data.images import load_image
+from library.data.metadata import dataset_metadata
+from library.data.prepare import PreparedDataset, prepare_datasets
+from library.data.transforms import fit_to_bucket, to_tensor
+from library.dataset_config import DatasetGroupSpec, load_dataset_specs
+from library.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Progress:
+    """Epoch and step as the sampler reads them when an epoch's iteration starts."""
+
+    epoch: int = 1
+    step: int = 0
+    max_train_steps: int = 0
+
+
+class TrainData:
+    """Everything the training loop needs from the data side.
+
+    Call ``set_epoch`` before iterating the loader of that epoch, and ``cache_latents`` before ``dataloader()``.
+    """
+
+    def __init__(self, group: DatasetGroupSpec, datasets: list[PreparedDataset], data: DataConfig, seed: int) -> None:
+        self.group = group
+        self.datasets = datasets
+        self.data = data
+        self.seed = seed
+        self.progress = _Progress()
+        self.latents = LatentStore({}, {})
+        self.source = BatchSource(datasets, seed, group.prior_loss_weight, self.latents)
+
+    @property
+    def num_train_images(self) -> int:
+        """sd-scripts' ``ss_num_train_images``: images × repeats over non-reg subsets."""
+        return sum(ds.num_train_images for ds in self.datasets)
+
+    @property
+    def num_reg_images(self) -> int:
+        """Regularisation images × repeats before balancing, as sd-scripts stores it."""
+        return sum(ds.num_reg_images for ds in self.datasets)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def set_epoch(self, epoch: int) -> None:
+        """1-based epoch: picks the batch order (seed + epoch) and drives caption_dropout_every_n_epochs."""
+        self.progress.epoch = epoch
+
+    def set_current_step(self, step: int, max_train_steps: int) -> None:
+        """Optimizer step for the token warm-up (read as batches are requested)."""
+        self.progress.step = step
+        self.progress.max_train_steps = max_train_steps
+
+    def dataloader(self, num_workers: int | None = None) -> DataLoader:
+        """A DataLoader yielding one batch dict per item; ``len`` is the batches per epoch."""
+        if num_workers is None:
+            num_workers = min(self.data.max_data_loader_n_workers, os.cpu_count() or 1)
+        return DataLoader(
+            self.source, batch_size=None, sampler=EpochSampler(self.progress, len(self.source)),
+            num_workers=num_workers, persistent_workers=self.data.persistent_data_loader_workers and num_workers > 0,
+        )
+
+    def summary(self) -> list[str]:
+        """Start-of-run lines: per subset images and repeats, reg balancing, buckets, batches per epoch."""
+        lines = []
+        for d, ds in enumerate(self.datasets):
+            spec = ds.spec
+            res = f"{spec.resolution[0]}x{spec.resolution[1]}"
+            bucketing = "on" if spec.enable_bucket else "off"
+            lines.append(f"dataset {d}: resolution {res}, batch size {spec.batch_size}, bucketing {bucketing}")
+            for info in ds.subsets:
+                sub = info.spec
+                kind = "reg  " if sub.is_reg else "train"
+                source = sub.image_dir if spec.is_dreambooth else sub.metadata_file
+                lines.append(f"  {kind} {source}: {info.img_count} images x {sub.num_repeats} repeats "
+                             f"= {info.img_count * sub.num_repeats}")
+            if ds.num_reg_images:
+                used = sum(item.repeats for item in ds.items if item.is_reg)
+                lines.append(f"  regularisation: {ds.num_reg_images} reg images with repeats, {used} used to "
+                             f"balance {ds.num_train_images} training images (an epoch is about twice as long)")
+            for reso, members in ds.buckets:
+                batches = -(-len(members) // spec.batch_size)
+                lines.append(f"  bucket {reso[0]}x{reso[1]}: {len(members)} images with repeats, {batches} batches")
+            if ds.bucket_info is not None:
+                lines.append(f"  mean aspect-ratio error: {ds.bucket_info['mean_img_ar_error']:.4f}")
+            lines.append(f"  {ds.batch_count()} batches per epoch")
+        lines.append(f"total: {self.num_train_images} training images with repeats, {len(self)} batches per epoch")
+        return lines
+
+    def metadata(self) -> dict[str, str]:
+        """sd-scripts' dataset ``ss_*`` metadata keys, stringified."""
+        return dataset_metadata(self.datasets, self.data, self.group.from_file)
+
+    def cache_latents(self, encode: Callable[[torch.Tensor], torch.Tensor], *, to_disk: bool, vae_id: str,
+                      batch_size: int) -> None:
+        """Encode every image once (and its mirror image with flip_aug); keep the latents in RAM or in npz files.
+
+        ``encode`` maps images [B, 3, H, W] in [-1, 1] to unscaled latents [B, 4, H/8, W/8]. Disk caches that are
+        still valid (see ``latent_cache``) are reused without encoding.
+        """
+        blocked = sorted({info.spec.location for ds in self.datasets for info in ds.subsets
+                          if info.spec.color_aug or info.spec.random_crop})
+        if blocked:
+            raise UserError(*(f"{loc}: color_aug and random_crop change the image every step, so latents cannot be "
+                              "cached; turn them off or drop --cache_latents / --cache_latents_to_disk"
+                              for loc in blocked))
+        pending: dict[tuple[tuple[int, int], bool], list[tuple[int, int, str]]] = {}
+        reused = 0
+        for d, ds in enumerate(self.datasets):
+            for i, item in enumerate(ds.items):
+                flip = ds.subsets[item.subset_index].spec.flip_aug
+                key = ""
+                if to_disk:
+                    path = latent_cache.npz_path(item.path, item.size)
+                    key = latent_cache.cache_key(latent_cache.file_sha1(item.path), item.choice.bucket,
+                                                 item.choice.resized, vae_id)
+                    if latent_cache.is_valid(path, item.choice.bucket, flip, key):
+                        self.latents.disk[(d, i)] = str(path)
+                        reused += 1
+                        continue
+                pending.setdefault((item.choice.bucket, flip), []).append((d, i, key))
+        count = sum(len(v) for v in pending.values())
+        logger.info("caching latents: %d to encode, %d reused from disk", count, reused)
+        for (_, flip), jobs in sorted(pending.items(), key=lambda kv: kv[0][0][0] * kv[0][0][1]):
+            for start in range(0, len(jobs), batch_size):
+                self._encode_batch(encode, jobs[start:start + batch_size], flip, to_disk)
+
+    def _encode_batch(self, encode: Callable[[torch.Tensor], torch.Tensor], jobs: list[tuple[int, int, str]],
+                      flip: bool, to_disk: bool) -> None:
+        items = [(d, i, self.datasets[d], self.datasets[d].items[i], key) for d, i, key in jobs]
+        images = []
+        for _, _, ds, item, _ in items:
+            interpolation = ds.subsets[item.subset_index].spec.resize_interpolation or ds.spec.resize_interpolation
+            images.append(to_tensor(fit_to_bucket(load_image(item.path), item.choice, interpolation, None)))
+        pixels = torch.stack(images)
+        with torch.no_grad():
+            latents = encode(pixels).float().cpu()
+            flipped = encode(pixels.flip(3)).float().cpu() if flip else None
+        for n, (d, i, _, item, key) in enumerate(items):
+            mirrored = flipped[n].clone() if flipped is not None else None
+            if to_disk:
+                path = latent_cache.npz_path(item.path, item.size)
+                latent_cache.write(path, latents[n], item.size, crop_ltrb(item.choice.bucket, item.size), mirrored,
+                                   key)
+                self.latents.disk[(d, i)] = str(path)
+            else:
+                self.latents.ram[(d, i)] = (latents[n].clone(), mirrored)
+
+
+def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | None = None) -> TrainData:
+    """Scan and validate the datasets of a run (all problems in one UserError); no model needed.
+
+    ``max_token_length`` is accepted for the trainer's call shape; captions are returned as text and the trainer
+    tokenizes them, so it does not change the data.
+    """
+    del max_token_length
+    group = load_dataset_specs(data)
+    datasets = prepare_datasets(list(group.datasets), data.skip_broken_images)
+    return TrainData(group, datasets, data, seed)

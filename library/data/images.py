@@ -1,0 +1,98 @@
+"""Image and caption discovery, image sizes and decoding.
+
+Differences from sd-scripts, on purpose:
+* the EXIF orientation tag is applied (sd-scripts ignores it, so phone photos train sideways); sizes, buckets and
+  cache file names use the upright size;
+* extensions match case-insensitively (sd-scripts globs ``.png`` and ``.PNG`` but not ``.Png``);
+* the "face-detect" caption stem (drop the last four ``_`` tokens when there are at least five) is taken from the
+  file name only; sd-scripts splits the whole path, so underscores in folder names count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+# EXIF orientations 5..8 rotate by 90 degrees, so width and height swap.
+_SWAPPING_ORIENTATIONS = (5, 6, 7, 8)
+
+
+class BrokenImage(Exception):
+    """An image file that cannot be decoded; the message names the file and the decoder's reason."""
+
+
+class CaptionProblem(Exception):
+    """A caption file that cannot be used (empty, not UTF-8)."""
+
+
+def list_images(folder: str | Path) -> list[Path]:
+    """Image files directly inside ``folder``, sorted by path (as sd-scripts' ``glob_images``)."""
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+
+
+def caption_candidates(image_path: Path, extension: str) -> list[Path]:
+    """Caption files tried for an image: ``<stem><ext>``, then the face-detect stem ``a_b_cx_cy_w_h`` → ``a_b``."""
+    stem = image_path.stem
+    candidates = [image_path.with_name(stem + extension)]
+    tokens = stem.split("_")
+    if len(tokens) >= 5:
+        candidates.append(image_path.with_name("_".join(tokens[:-4]) + extension))
+    return candidates
+
+
+def read_caption(image_path: Path, extension: str, enable_wildcard: bool) -> str | None:
+    """The caption of an image, or None when it has no caption file (sd-scripts' ``read_caption``).
+
+    Without wildcards the first line is used; with them all non-empty lines are kept, joined by newlines, so that
+    one line is picked per step. An empty file or a file that is not UTF-8 raises ``CaptionProblem``.
+    """
+    for path in caption_candidates(image_path, extension):
+        if not path.is_file():
+            continue
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise CaptionProblem(f"{path}: caption file is not UTF-8 text; re-save it as UTF-8") from None
+        if not lines:
+            raise CaptionProblem(f"{path}: caption file is empty; write a caption or delete the file")
+        if enable_wildcard:
+            return "\n".join(line.strip() for line in lines if line.strip())
+        return lines[0].strip()
+    return None
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """Upright (EXIF-oriented) width and height; decodes the file enough to catch corrupt data.
+
+    PNG chunks are checksummed with ``verify``; JPEG is decoded at 1/8 scale (``draft``), other formats fully.
+    """
+    try:
+        with Image.open(path) as img:
+            is_png = img.format == "PNG"
+            if is_png:
+                img.verify()
+        with Image.open(path) as img:
+            width, height = img.size
+            orientation = img.getexif().get(0x0112, 1)
+            if not is_png:
+                if img.format == "JPEG":
+                    img.draft("RGB", (max(1, width // 8), max(1, height // 8)))
+                img.load()
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+        raise BrokenImage(f"{path}: cannot decode image ({e})") from None
+    if orientation in _SWAPPING_ORIENTATIONS:
+        return height, width
+    return width, height
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """The image as upright RGB (transparent pixels are composited as PIL converts them)."""
+    try:
+        with Image.open(path) as img:
+            upright = ImageOps.exif_transpose(img)
+            return upright.convert("RGB")
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+        raise BrokenImage(f"{path}: cannot decode image ({e})") from None

@@ -1,0 +1,87 @@
+"""Latent cache files, compatible with sd-scripts' (``strategy_sd.SdSdxlLatentsCachingStrategy``).
+
+File: ``<image stem>_<W:04d>x<H:04d>_sd.npz`` beside the image, W×H the original (upright) image size; uncompressed
+``np.savez`` with ``latents`` (float32 [4, h, w], unscaled VAE sample), ``original_size`` [W, H], ``crop_ltrb``
+and ``latents_flipped`` (with flip_aug). sd-scripts reads these files as its own.
+
+Added key ``sdsb_cache_key``: a JSON string with the SHA-1 of the image file, the bucket, the resized size and the
+VAE id. A file whose key differs is rebuilt, so an edited image, a new resolution or another VAE never reuses stale
+latents (sd-scripts checks only that ``latents`` exists). Files sd-scripts wrote (no key) are reused when their
+latent shape matches the bucket, as sd-scripts would. Files are written to a temporary name and renamed, so an
+interrupted run never leaves a half-written cache; a rebuilt file is written fresh (old keys are not carried over).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CACHE_KEY = "sdsb_cache_key"
+LATENT_CHANNELS = 4
+LATENT_STRIDE = 8
+
+
+def npz_path(image_path: str | Path, original_size: tuple[int, int]) -> Path:
+    """sd-scripts' cache file name for an image of ``original_size`` (W, H)."""
+    image_path = Path(image_path)
+    return image_path.with_name(f"{image_path.stem}_{original_size[0]:04d}x{original_size[1]:04d}_sd.npz")
+
+
+def file_sha1(path: str | Path) -> str:
+    digest = hashlib.sha1()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cache_key(sha1: str, bucket: tuple[int, int], resized: tuple[int, int], vae_id: str) -> str:
+    """What the cached latents depend on, as a stable JSON string."""
+    return json.dumps({"sha1": sha1, "bucket": list(bucket), "resized": list(resized), "vae_id": vae_id},
+                      sort_keys=True)
+
+
+def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str) -> bool:
+    """True when ``path`` holds latents for ``bucket`` (and flipped ones with ``flip_aug``) made under ``key``."""
+    if not path.is_file():
+        return False
+    expected = (LATENT_CHANNELS, bucket[1] // LATENT_STRIDE, bucket[0] // LATENT_STRIDE)
+    try:
+        with np.load(path) as npz:
+            if "latents" not in npz.files or tuple(npz["latents"].shape) != expected:
+                return False
+            if flip_aug and "latents_flipped" not in npz.files:
+                return False
+            if CACHE_KEY in npz.files:
+                return str(npz[CACHE_KEY]) == key
+            return True
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError):
+        return False
+
+
+def write(path: Path, latents: torch.Tensor, original_size: tuple[int, int],
+          crop_ltrb: tuple[float, float, float, float], flipped: torch.Tensor | None, key: str) -> None:
+    """Write one cache file atomically (temporary file in the same folder, then rename)."""
+    arrays = {
+        "latents": latents.float().cpu().numpy(),
+        "original_size": np.array(original_size),
+        "crop_ltrb": np.array(crop_ltrb),
+        CACHE_KEY: np.array(key),
+    }
+    if flipped is not None:
+        arrays["latents_flipped"] = flipped.float().cpu().numpy()
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,279 @@
+"""From dataset specs to prepared datasets: images found, captions read, repeats balanced, buckets assigned.
+
+This follows sd-scripts' ``DreamBoothDataset.__init__`` / ``FineTuningDataset.__init__`` and
+``BaseDataset.make_buckets``; every problem found while scanning (unreadable images, empty caption files, images
+smaller than the resolution, bucket limits) is collected and raised in one ``UserError``. No torch here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from library.data.buckets import (
+    BucketChoice,
+    make_bucket_resolutions,
+    select_bucket,
+    select_bucket_no_upscale,
+    snap_min_max,
+)
+from library.data.captions import count_tags
+from library.data.images import (
+    IMAGE_EXTENSIONS,
+    BrokenImage,
+    CaptionProblem,
+    image_size,
+    list_images,
+    read_caption,
+)
+from library.data.metadata_file import read_metadata_subset
+from library.dataset_config import DatasetSpec, SubsetSpec
+from library.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+MAX_LISTED = 5
+
+
+@dataclass
+class ImageItem:
+    """One image of a dataset. ``repeats`` is final (after regularisation balancing)."""
+
+    path: str
+    caption: str
+    size: tuple[int, int]
+    subset_index: int
+    is_reg: bool
+    repeats: int
+    choice: BucketChoice | None = None
+
+
+@dataclass
+class SubsetInfo:
+    """A subset as used: its spec and how many images it contributed (sd-scripts' ``img_count``)."""
+
+    spec: SubsetSpec
+    img_count: int
+
+
+@dataclass
+class PreparedDataset:
+    """One dataset ready for batching; ``buckets`` hold item indices, each repeated ``repeats`` times."""
+
+    spec: DatasetSpec
+    subsets: list[SubsetInfo]
+    items: list[ImageItem]
+    num_train_images: int
+    num_reg_images: int
+    min_bucket_reso: int | None
+    max_bucket_reso: int | None
+    buckets: list[tuple[tuple[int, int], list[int]]] = field(default_factory=list)
+    bucket_info: dict | None = None
+    tag_frequency: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def batch_count(self) -> int:
+        size = self.spec.batch_size
+        return sum(-(-len(members) // size) for _, members in self.buckets)
+
+
+@dataclass
+class ScanReport:
+    """Problems and notices gathered over every dataset, reported together."""
+
+    errors: list[str] = field(default_factory=list)
+    broken: list[str] = field(default_factory=list)
+    missing_captions: list[str] = field(default_factory=list)
+    small_images: list[str] = field(default_factory=list)
+
+
+def _listing(paths: list[str]) -> str:
+    shown = ", ".join(paths[:MAX_LISTED])
+    more = len(paths) - MAX_LISTED
+    return shown + (f" ... and {more} more" if more > 0 else "")
+
+
+def _scan_dreambooth(sub: SubsetSpec, report: ScanReport) -> list[tuple[str, str, tuple[int, int]]]:
+    """(path, caption, size) of each readable image in a DreamBooth folder; captions fall back to class tokens."""
+    found = []
+    for path in list_images(sub.image_dir):
+        try:
+            caption = read_caption(path, sub.caption_extension, sub.enable_wildcard)
+        except CaptionProblem as e:
+            report.errors.append(str(e))
+            continue
+        try:
+            size = image_size(path)
+        except BrokenImage as e:
+            report.broken.append(str(e))
+            continue
+        if caption is None:
+            report.missing_captions.append(str(path))
+            caption = sub.class_tokens or ""
+        found.append((str(path), caption, size))
+    return found
+
+
+def _scan_subset(sub: SubsetSpec, report: ScanReport) -> tuple[list[tuple[str, str, tuple[int, int]]], str, list[str]]:
+    """Images of one subset, the name its tags are counted under (folder or metadata file name) and the texts
+    counted: the captions of a folder, the ``tags`` of a metadata file (as sd-scripts)."""
+    if sub.metadata_file is not None:
+        found = []
+        tag_texts = []
+        for path, caption, tags in read_metadata_subset(sub, report.errors):
+            try:
+                found.append((path, caption, image_size(Path(path))))
+            except BrokenImage as e:
+                report.broken.append(str(e))
+                continue
+            if tags:
+                tag_texts.append(tags)
+        return found, Path(sub.metadata_file).name, tag_texts
+    found = _scan_dreambooth(sub, report)
+    return found, Path(sub.image_dir).name, [caption for _, caption, _ in found]
+
+
+def _balance_regularisation(items: list[ImageItem], reg: list[ImageItem], num_train: int) -> None:
+    """sd-scripts' reg balancing: add reg images in order with their repeats until their count reaches the train
+    count; if one pass is short, further passes add one repeat per reg image until it does. Surplus reg images
+    are dropped."""
+    if not reg:
+        return
+    total = 0
+    first_pass = True
+    while total < num_train:
+        for item in reg:
+            if first_pass:
+                items.append(item)
+                total += item.repeats
+            else:
+                item.repeats += 1
+                total += 1
+            if total >= num_train:
+                break
+        first_pass = False
+
+
+def _assign_buckets(prepared: PreparedDataset, report: ScanReport) -> None:
+    """sd-scripts' ``make_buckets``: assign each image, fill buckets by repeats, sort buckets by resolution."""
+    spec = prepared.spec
+    resolution = spec.resolution
+    errors = []
+    candidates = [resolution]
+    if spec.enable_bucket and spec.bucket_no_upscale:
+        logger.warning("%s: min_bucket_reso and max_bucket_reso are ignored with bucket_no_upscale: buckets "
+                       "follow the image sizes", spec.location)
+    elif spec.enable_bucket:
+        candidates = make_bucket_resolutions(resolution, prepared.min_bucket_reso, prepared.max_bucket_reso,
+                                             spec.bucket_reso_steps)
+    area = resolution[0] * resolution[1]
+    for item in prepared.items:
+        if spec.enable_bucket and spec.bucket_no_upscale:
+            item.choice = select_bucket_no_upscale(item.size, area, spec.bucket_reso_steps)
+        else:
+            item.choice = select_bucket(item.size, candidates)
+        if not spec.enable_bucket and (item.size[0] < resolution[0] or item.size[1] < resolution[1]):
+            size = f"{item.size[0]}x{item.size[1]} < {resolution[0]}x{resolution[1]}"
+            report.small_images.append(f"{item.path} ({size})")
+        if item.choice.bucket[0] < 1 or item.choice.bucket[1] < 1:
+            errors.append(f"{item.path}: image ({item.size[0]}x{item.size[1]}) is smaller than bucket_reso_steps "
+                          f"({spec.bucket_reso_steps}) with bucket_no_upscale")
+    report.errors.extend(errors)
+    members: dict[tuple[int, int], list[int]] = {}
+    for index, item in enumerate(prepared.items):
+        members.setdefault(item.choice.bucket, []).extend([index] * item.repeats)
+    prepared.buckets = sorted(members.items())
+    if spec.enable_bucket:
+        errors_abs = [abs(item.choice.ar_error) for item in prepared.items]
+        prepared.bucket_info = {
+            "buckets": {i: {"resolution": list(reso), "count": len(members)}
+                        for i, (reso, members) in enumerate(prepared.buckets)},
+            "mean_img_ar_error": sum(errors_abs) / len(errors_abs) if errors_abs else 0,
+        }
+
+
+def _bucket_limits(spec: DatasetSpec, errors: list[str]) -> tuple[int | None, int | None]:
+    if not spec.enable_bucket:
+        return None, None
+    low, high, warnings = snap_min_max(spec.min_bucket_reso, spec.max_bucket_reso, spec.bucket_reso_steps)
+    for text in warnings:
+        logger.warning("%s: %s", spec.location, text)
+    if min(spec.resolution) < low:
+        errors.append(f"{spec.location}: min_bucket_reso ({low}) is larger than the resolution "
+                      f"{spec.resolution[0]}x{spec.resolution[1]}; set min_bucket_reso to {min(spec.resolution)} "
+                      "or less, or raise the resolution")
+    if max(spec.resolution) > high:
+        errors.append(f"{spec.location}: max_bucket_reso ({high}) is smaller than the resolution "
+                      f"{spec.resolution[0]}x{spec.resolution[1]}; set max_bucket_reso to {max(spec.resolution)} "
+                      "or more")
+    return low, high
+
+
+def prepare_dataset(spec: DatasetSpec, report: ScanReport) -> PreparedDataset:
+    """Scan one dataset's subsets and build its buckets; problems go to ``report``."""
+    low, high = _bucket_limits(spec, report.errors)
+    prepared = PreparedDataset(spec, [], [], 0, 0, low, high)
+    reg_items: list[ImageItem] = []
+    seen_sources: set[str] = set()
+    for sub in spec.subsets:
+        source = sub.metadata_file if sub.metadata_file is not None else sub.image_dir
+        if sub.num_repeats < 1:
+            logger.warning("%s: ignored: num_repeats is %d (below 1)", sub.location, sub.num_repeats)
+            continue
+        if source in seen_sources:
+            logger.warning("%s: ignored: %s is already a subset of this dataset", sub.location, source)
+            continue
+        seen_sources.add(source)
+        found, tag_key, tag_texts = _scan_subset(sub, report)
+        freq = prepared.tag_frequency.setdefault(tag_key, {})
+        for tag, n in count_tags(tag_texts).items():
+            freq[tag] = freq.get(tag, 0) + n
+        if not found:
+            logger.warning("%s: ignored: no images (%s) in %s", sub.location, " ".join(IMAGE_EXTENSIONS), source)
+            continue
+        index = len(prepared.subsets)
+        prepared.subsets.append(SubsetInfo(sub, len(found)))
+        is_reg = sub.is_reg and spec.is_dreambooth
+        for path, caption, size in found:
+            item = ImageItem(path, caption, size, index, is_reg, sub.num_repeats)
+            (reg_items if is_reg else prepared.items).append(item)
+        if is_reg:
+            prepared.num_reg_images += sub.num_repeats * len(found)
+        else:
+            prepared.num_train_images += sub.num_repeats * len(found)
+    if prepared.num_reg_images > prepared.num_train_images:
+        logger.warning("%s: more regularisation images (%d with repeats) than training images (%d); some are not "
+                       "used", spec.location, prepared.num_reg_images, prepared.num_train_images)
+    _balance_regularisation(prepared.items, reg_items, prepared.num_train_images)
+    if spec.resolution is not None:
+        _assign_buckets(prepared, report)
+    return prepared
+
+
+def prepare_datasets(specs: list[DatasetSpec], skip_broken_images: bool) -> list[PreparedDataset]:
+    """Prepare every dataset; raises one UserError with all problems, logs one warning for missing captions."""
+    report = ScanReport()
+    prepared = [prepare_dataset(spec, report) for spec in specs]
+    errors = list(report.errors)
+    if report.broken:
+        if skip_broken_images:
+            logger.warning("skipping %d image(s) that cannot be decoded (--skip_broken_images): %s",
+                           len(report.broken), _listing(report.broken))
+        else:
+            errors += report.broken
+            errors.append("fix or remove the images above, or pass --skip_broken_images to train without them")
+    if report.small_images:
+        errors.append(f"image size is small: {len(report.small_images)} image(s) are smaller than the resolution "
+                      f"and bucketing is off: {_listing(report.small_images)}; "
+                      "pass --enable_bucket (enable_bucket = true) or lower --resolution")
+    for ds in prepared:
+        if not errors and not ds.items:
+            dirs = [s.metadata_file or s.image_dir for s in ds.spec.subsets]
+            errors.append(f"{ds.spec.location}: no images found in {', '.join(map(str, dirs)) or 'no folders'}; "
+                          f"expected {' '.join(IMAGE_EXTENSIONS)} files directly inside each folder")
+    if errors:
+        raise UserError(*errors)
+    if report.missing_captions:
+        logger.warning("no caption file for %d image(s); their class tokens (or an empty caption) are used: %s",
+                       len(report.missing_captions), _listing(report.missing_captions))
+    return prepared
