@@ -1,0 +1,98 @@
+"""Stochastic rounding fp32 -> bf16 (OPTIMIZERS.md §3).
+
+The add-and-mask trick (Nerogar, pytorch/pytorch#120376): add 16 uniform random bits to the low half of the fp32 bit
+pattern and truncate. A carry into bit 16 happens with probability (low bits)/2^16, so the result is unbiased, is
+exactly representable in bf16, keeps the sign, rounds the top of a binade into the next one and may overflow the
+largest finite values to Inf (correct SR behaviour). Decision (f): NaN stays NaN; the reference kernels can turn
+some NaN patterns (0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001) into ±0 or ±Inf and hide a divergence.
+
+One kernel, ``round_with_bits``, serves every bf16 write-back; only the source of the random bits differs:
+* eager code draws them from a ``torch.Generator`` on the tensor's device, seeded from (seed, step, parameter index)
+  with ``step_seed`` so that runs and resumes are reproducible;
+* compiled code (``optimizers.flat``) uses ``hash_bits``, a counter-based integer hash of (element index, step seed),
+  which fuses into the update kernel and is much cheaper than ``randint`` on CPU (ENVIRONMENT.md trap 8).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_MASK_HIGH16 = -65536  # 0xFFFF0000 as a signed int32
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+_generators: dict[torch.device, torch.Generator] = {}
+
+
+def round_with_bits(x: Tensor, bits: Tensor) -> Tensor:
+    """Stochastically round fp32 ``x`` with random ``bits`` (int32 in [0, 2^16)); fp32 result, exact in bf16."""
+    rounded = (x.view(torch.int32) + bits).bitwise_and_(_MASK_HIGH16).view(torch.float32)
+    return torch.where(torch.isnan(x), x, rounded)
+
+
+def step_seed(seed: int, step: int, index: int = 0, stream: int = 0) -> int:
+    """Mix (seed, step, parameter index, stream) into a 63-bit seed with SplitMix64 finalisers (pure, stable)."""
+    value = 0
+    for part in (seed, step, index, stream):
+        value = ((value ^ (part & _MASK64)) + 0x9E3779B97F4A7C15) & _MASK64
+        value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+        value ^= value >> 31
+    return value >> 1
+
+
+def seeded_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A generator on ``device`` freshly seeded with ``seed`` (one cached generator object per device)."""
+    device = torch.device(device)
+    generator = _generators.get(device)
+    if generator is None:
+        generator = torch.Generator(device=device)
+        _generators[device] = generator
+    generator.manual_seed(seed)
+    return generator
+
+
+def random_bits(like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Uniform int32 in [0, 2^16) shaped like ``like``, drawn from ``generator`` (global RNG when None)."""
+    return torch.randint(0, 1 << 16, like.shape, dtype=torch.int32, device=like.device, generator=generator)
+
+
+def hash_bits(index: Tensor, seed: Tensor) -> Tensor:
+    """16 pseudo-random bits per element from an integer hash of (int64 ``index``, int64 0-d ``seed``).
+
+    All arithmetic stays below 2^63 in int64 (32-bit state, multipliers < 2^31), so it is exact and identical in eager
+    mode, on every device and under ``torch.compile``.
+    """
+    h = (index * 0x9E3779B1 + seed) & _MASK32
+    h = h ^ (h >> 16)
+    h = (h * 0x45D9F3B) & _MASK32
+    h = h ^ (h >> 16)
+    h = (h * 0x45D9F3B) & _MASK32
+    h = h ^ (h >> 16)
+    return (h & 0xFFFF).to(torch.int32)
+
+
+def stochastic_round(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Round ``x`` to bf16 stochastically (unbiased); NaN stays NaN, ±Inf and ±0 are kept."""
+    x32 = x.to(torch.float32)
+    return round_with_bits(x32, random_bits(x32, generator)).to(torch.bfloat16)
+
+
+def copy_stochastic_(target: Tensor, source: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Write fp32 ``source`` into ``target``: SR when ``target`` is bf16, a plain (round-to-nearest) copy otherwise."""
+    if target.dtype == torch.bfloat16:
+        target.copy_(stochastic_round(source, generator))
+    else:
+        target.copy_(source)
+    return target
+
+
+def add_stochastic_(
+    target: Tensor, other: Tensor, alpha: float = 1.0, generator: torch.Generator | None = None
+) -> Tensor:
+    """``target <- target + alpha * other`` computed in fp32, then rounded into ``target`` (SR when bf16).
+
+    Note §3.4: ``alpha`` scales ``other`` (the right operand), unlike the OneTrainer/adamw-bf16 helpers.
+    """
+    total = target.to(torch.float32).add(other.to(torch.float32), alpha=alpha)
+    return copy_stochastic_(target, total, generator)
