@@ -59,7 +59,8 @@ def modelspec(cfg: TrainConfig, resolution: tuple[int, int], started: float) -> 
 
 def training_metadata(cfg: TrainConfig, plan: StepPlan, *, dataset_meta: dict[str, str],
                       network_meta: dict[str, str], optimizer_name: str, stochastic_rounding: bool,
-                      num_train_images: int, num_reg_images: int, started: float) -> dict[str, str]:
+                      num_train_images: int, num_reg_images: int, resolution: tuple[int, int],
+                      started: float) -> dict[str, str]:
     """Everything sd-scripts writes at the start of training (``ss_steps``/``ss_epoch`` come at save time)."""
     m, d, n, o, sc, p, nz, lo = (cfg.model, cfg.data, cfg.network, cfg.optimizer, cfg.schedule, cfg.precision,
                                  cfg.noise, cfg.loss)
@@ -128,7 +129,7 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, *, dataset_meta: dict[st
     }
     if cfg.save.no_metadata:
         meta = {k: v for k, v in meta.items() if k in MINIMAL_KEYS}
-    return meta
+    return {**meta, **modelspec(cfg, resolution, started)}
 
 
 def at_save(meta: dict[str, str], *, steps: int, epoch: int, no_metadata: bool) -> dict[str, str]:

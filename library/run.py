@@ -79,7 +79,8 @@ def run(cfg: TrainConfig) -> RunResult:
     meta = training_metadata(
         cfg, plan, dataset_meta=data.metadata(), network_meta=stages.network_meta(cfg.network),
         optimizer_name=optimizer_description(optimizer, choice.options),
-        stochastic_rounding=stages.rounds_stochastically(choice, policy), num_train_images=data.num_train_images, num_reg_images=data.num_reg_images,
+        stochastic_rounding=stages.rounds_stochastically(choice, policy), num_train_images=data.num_train_images,
+        num_reg_images=data.num_reg_images, resolution=cfg.data.resolution or data.datasets[0].spec.resolution,
         started=started)
     saver = Saver(out_dir, name, cfg.save.save_model_as, stages.save_dtype(cfg.save), cfg.save.save_last_n_epochs,
                   cfg.save.save_last_n_steps, cfg.save.save_state)

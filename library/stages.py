@@ -47,8 +47,8 @@ def check_optimizer(cfg: OptimizerConfig, schedule: ScheduleConfig) -> Optimizer
     """Resolve the optimizer name and options before anything loads; every mistake is a ``UserError``."""
     try:
         options = optimizers.parse_optimizer_args(cfg.optimizer_args)
-        spec = optimizers.resolve(cfg.optimizer_type)
-        options = optimizers.validate_options(cfg.optimizer_type, options)
+        spec = optimizers.find_spec(cfg.optimizer_type)
+        optimizers.validate_options(cfg.optimizer_type, options)
     except optimizers.OptimizerConfigError as exc:
         raise UserError(f"--optimizer_type {cfg.optimizer_type or 'AdamW'}: {exc}") from exc
     choice = OptimizerChoice(cfg.optimizer_type or "AdamW", spec, options)
@@ -58,8 +58,12 @@ def check_optimizer(cfg: OptimizerConfig, schedule: ScheduleConfig) -> Optimizer
                     "to use a normal schedule", schedule.lr_scheduler)
     if cfg.fused_backward_pass and spec is not None and not spec.fused_backward:
         raise UserError(f"--fused_backward_pass needs an optimizer that can step one parameter at a time; "
-                        f"{spec.name} cannot. Use one of: {', '.join(optimizers.fused_backward_names())}")
+                        f"{spec.name} cannot. Use one of: {', '.join(_fused_backward_names())}")
     return choice
+
+
+def _fused_backward_names() -> list[str]:
+    return [spec.name for spec in optimizers.REGISTRY.values() if spec.fused_backward]
 
 
 def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPolicy,
@@ -152,7 +156,7 @@ def build_optimizer(choice: OptimizerChoice, groups: list[dict], lr: float):
 
 def build_scheduler(optimizer, cfg: ScheduleConfig, choice: OptimizerChoice, plan: StepPlan, base_lr: float):
     if choice.adafactor_schedule:
-        return optimizers.adafactor_schedule(optimizer, base_lr)
+        return optimizers.build_adafactor_schedule(optimizer, base_lr)
     return build_lr_scheduler(optimizer, cfg, plan.max_train_steps, base_lr)
 
 

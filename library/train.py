@@ -61,7 +61,7 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
     average = LossAverage(len(loader))
     accum = plan.gradient_accumulation_steps
     skip_batches = (pos.step - pos.epoch * plan.updates_per_epoch) * accum
-    progress = tqdm(total=plan.max_train_steps, initial=pos.step, desc="steps", smoothing=0)
+    progress = tqdm(total=plan.max_train_steps, initial=pos.step, desc="steps", smoothing=0, disable=None)
     began, window_loss, last_loss = time.perf_counter(), 0.0, float("nan")
     while pos.epoch < plan.num_epochs and pos.step < plan.max_train_steps:
         data.set_epoch(pos.epoch + 1)
