@@ -219,15 +219,16 @@ class _Problems:
         self.messages.append(f"{self.source}: {where}: {text}" if where else f"{self.source}: {text}")
 
 
-def _level_hint(key: str, where: str) -> str:
-    """Say where a key that exists at another level belongs."""
-    if key in DREAMBOOTH_SUBSET_KEYS or key in FINETUNE_SUBSET_KEYS:
+def _level_hint(key: str, in_subset: bool) -> str:
+    """Say where a key that exists at another level (or for the other dataset kind) belongs."""
+    subset_only = key in DREAMBOOTH_SUBSET_KEYS or key in FINETUNE_SUBSET_KEYS
+    if subset_only and not in_subset:
         return f'"{key}" belongs in a [[datasets.subsets]] table'
     if key in DATASET_KEYS:
         return f'"{key}" is a dataset-level key; set it in [[datasets]] or [general]'
-    if key in DREAMBOOTH_ASCENDABLE_KEYS:
+    if key in DREAMBOOTH_ASCENDABLE_KEYS or key in DREAMBOOTH_SUBSET_KEYS:
         return f'"{key}" is only for DreamBooth (image folder) subsets, not for a dataset with metadata_file'
-    return f'"{key}" is not allowed here'
+    return f'"{key}" is only for fine-tuning subsets (with metadata_file)'
 
 
 def _check_table(table: Any, schema: dict[str, Checker], where: str, problems: _Problems,
@@ -243,7 +244,7 @@ def _check_table(table: Any, schema: dict[str, Checker], where: str, problems: _
         checker = schema.get(key)
         if checker is None:
             if key in ALL_KEYS:
-                problems.add(where, _level_hint(key, where))
+                problems.add(where, _level_hint(key, where.endswith("]") and ".subsets[" in where))
             else:
                 known = list(schema) + list(skip)
                 problems.add(where, f'unknown key "{key}"{did_you_mean(key, known)}')
