@@ -160,7 +160,7 @@ def _load_diffusers_folder(path: Path, *, v2: bool, v_parameterization: bool) ->
     vae = AutoencoderKL.from_pretrained(str(path), subfolder="vae", local_files_only=True)
     text_encoder = CLIPTextModel.from_pretrained(str(path), subfolder="text_encoder", local_files_only=True)
     folder_is_v2 = text_encoder.config.hidden_size == 1024
-    _check_v2_flag(path, file_is_v2=folder_is_v2, v2=v2)
+    check_v2_flag(path, file_is_v2=folder_is_v2, v2=v2)
     tokenizer = None
     if (path / "tokenizer").is_dir():
         tokenizer = CLIPTokenizer.from_pretrained(str(path), subfolder="tokenizer", local_files_only=True)
@@ -169,7 +169,8 @@ def _load_diffusers_folder(path: Path, *, v2: bool, v_parameterization: bool) ->
     )
 
 
-def _check_v2_flag(path: Path, *, file_is_v2: bool, v2: bool) -> None:
+def check_v2_flag(path: Path, *, file_is_v2: bool, v2: bool) -> None:
+    """``--v2`` must agree with the model's text encoder (OpenCLIP-H for SD2, CLIP-L for SD1)."""
     if file_is_v2 and not v2:
         raise UserError(
             f"--pretrained_model_name_or_path {path} is a Stable Diffusion 2.x model (OpenCLIP-H text encoder); "
@@ -240,10 +241,13 @@ def _load_path(path: Path, *, v2: bool, v_parameterization: bool) -> SDModel:
     if path.is_file():
         if path.suffix.lower() not in single_file.SUFFIXES:
             raise UserError(
-                f"--pretrained_model_name_or_path {path}: unknown file type {path.suffix!r}; accepted: {ACCEPTED_FORMS}"
+                f"--pretrained_model_name_or_path {path}: unknown file type {path.suffix!r}; "
+                f"accepted: {ACCEPTED_FORMS}"
             )
         return single_file.load_checkpoint(path, v2=v2, v_parameterization=v_parameterization)
     hint = " (hub ids are not downloaded: give a local copy)" if "/" in str(path) and not path.parent.exists() else ""
-    raise UserError(f"--pretrained_model_name_or_path {path}: no such file or folder{hint}; accepted: {ACCEPTED_FORMS}")
+    raise UserError(
+        f"--pretrained_model_name_or_path {path}: no such file or folder{hint}; accepted: {ACCEPTED_FORMS}"
+    )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from library.errors import UserError
-from library.models import SDModel, assemble, build_from_config, config_dir
+from library.models import SDModel, assemble, build_from_config, check_v2_flag, config_dir
 
 if TYPE_CHECKING:
     import torch
@@ -101,7 +101,8 @@ def vae_key_map(keys: list[str], num_blocks: int = 4) -> dict[str, str]:
     patterns: list[tuple[str, Callable[[re.Match[str]], str]]] = [
         (r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(.*)",
          lambda m: f"encoder.down.{m[1]}.block.{m[2]}.{_rename_resnet(m[3], vae_resnet)}"),
-        (r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.*)", lambda m: f"encoder.down.{m[1]}.downsample.conv.{m[2]}"),
+        (r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.*)",
+         lambda m: f"encoder.down.{m[1]}.downsample.conv.{m[2]}"),
         (r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)",
          lambda m: f"decoder.up.{num_blocks - 1 - int(m[1])}.block.{m[2]}.{_rename_resnet(m[3], vae_resnet)}"),
         (r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.conv\.(.*)",
@@ -268,16 +269,7 @@ def load_checkpoint(
     state, metadata = read_state_dict(path)
     name = detect_config(path, state, metadata, v_parameterization=v_parameterization)
     file_is_v2 = name.startswith("sd2")
-    if file_is_v2 and not v2:
-        raise UserError(
-            f"--pretrained_model_name_or_path {path} is a Stable Diffusion 2.x checkpoint (OpenCLIP-H text encoder); "
-            "add --v2 (and --v_parameterization for 768-v models such as SD 2.0-768 / 2.1)"
-        )
-    if v2 and not file_is_v2:
-        raise UserError(
-            f"--pretrained_model_name_or_path {path} is a Stable Diffusion 1.x checkpoint (CLIP-L text encoder) "
-            "but --v2 was given; remove --v2"
-        )
+    check_v2_flag(path, file_is_v2=file_is_v2, v2=v2)
     unet, vae, text_encoder = build_from_config(config_dir(name), empty=True)
     unet_state = _strip(state, UNET_PREFIX)
     unet_map = unet_key_map(list(unet.state_dict()), unet.config.layers_per_block)
