@@ -78,7 +78,8 @@ def test_fp32_parameters_get_no_hooks() -> None:
 
 
 def test_seed_snippet_imports_work() -> None:
-    from optimizers import AdamW, StochasticAccumulator as Accumulator
+    from optimizers import AdamW
+    from optimizers import StochasticAccumulator as Accumulator
 
     model = Scaled(10)
     optimizer = AdamW(model.parameters(), lr=0.01, weight_decay=1e-2)

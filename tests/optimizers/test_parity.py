@@ -63,7 +63,9 @@ def test_matches_torchastic_bitwise_with_round_to_nearest(
     assert not torch.equal(got, start)
 
 
-def adamw_one_step_fp64(theta: float, grad: float, lr: float, betas: tuple[float, float], eps: float, wd: float) -> float:
+def adamw_one_step_fp64(
+    theta: float, grad: float, lr: float, betas: tuple[float, float], eps: float, wd: float
+) -> float:
     """First Torchastic AdamW step from zero moments, in fp64 (OPTIMIZERS.md §5)."""
     beta1, beta2 = betas
     m = (1 - beta1) * grad
