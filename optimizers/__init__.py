@@ -75,7 +75,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
     "SGDNesterov": OptimizerSpec(
         name="SGDNesterov",
         factory=ClassFactory(_TORCH, "SGD", preset={"momentum": 0.9}, fixed={"nesterov": True}),
-        options=tables.TORCH_SGD,
+        options=tables.TORCH_SGD_NESTEROV,
         citation="torch.optim.SGD with nesterov=True, momentum 0.9 if not given (kohya-ss/sd-scripts rule)",
     ),
     "Adagrad": OptimizerSpec(
@@ -126,7 +126,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
     "SGDNesterov8bit": OptimizerSpec(
         name="SGDNesterov8bit",
         factory=ClassFactory(_BNB, "SGD8bit", BITSANDBYTES, preset={"momentum": 0.9}, fixed={"nesterov": True}),
-        options=tables.BNB_SGD8, package=BITSANDBYTES, eight_bit_state=True, stochastic_rounding="none",
+        options=tables.BNB_SGD_NESTEROV8, package=BITSANDBYTES, eight_bit_state=True, stochastic_rounding="none",
         rejected=_NO_SR_8BIT, citation="bitsandbytes.optim.SGD8bit with nesterov=True, momentum 0.9 if not given "
         "(kohya-ss/sd-scripts rule)",
     ),

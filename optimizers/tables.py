@@ -23,6 +23,9 @@ TORCH_ADAM: dict[str, Any] = {**TORCH_ADAMW, "weight_decay": 0.0, "decoupled_wei
 TORCH_SGD: dict[str, Any] = {
     "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False, "fused": None, **_TORCH_COMMON,
 }
+TORCH_SGD_NESTEROV: dict[str, Any] = {
+    **{key: value for key, value in TORCH_SGD.items() if key != "nesterov"}, "momentum": 0.9,
+}
 TORCH_ADAGRAD: dict[str, Any] = {
     "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10, "fused": None,
     **_TORCH_COMMON,
@@ -52,6 +55,7 @@ BNB_PAGED_ADAMW: dict[str, Any] = {key: value for key, value in BNB_ADAMW8.items
 BNB_SGD8: dict[str, Any] = {
     "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False, "min_8bit_size": 4096,
 }
+BNB_SGD_NESTEROV8: dict[str, Any] = {key: value for key, value in BNB_SGD8.items() if key != "nesterov"}
 BNB_ADAGRAD8: dict[str, Any] = {
     "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10, "optim_bits": 8,
     "min_8bit_size": 4096,

@@ -34,4 +34,4 @@ def compute_grads(params: list[Tensor]) -> float:
         param.grad = None
     loss = loss_of(params)
     loss.backward()
-    return float(loss)
+    return float(loss.detach())
