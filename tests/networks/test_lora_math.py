@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from netutil import randomize_up, unet_inputs
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from library.errors import UserError
 from networks import lora
@@ -83,9 +85,10 @@ def test_merge_to_equals_unmerged_forward(patched, make_tiny, tmp_path):
     merger, sd = lora.create_network_from_weights(1.0, str(file), fresh.vae, fresh.text_encoder, fresh.unet)
     assert merger.is_mergeable()
     merger.merge_to(fresh.text_encoder, fresh.unet, sd, torch.float32, "cpu")
+    # (W + dW) x and W x + dW x round differently in float32; over ~40 layers that is ~1e-5 of outputs of size ~1
     with torch.no_grad():
-        torch.testing.assert_close(fresh.unet(x, t, enc).sample, want_u, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(fresh.text_encoder(ids)[0], want_t, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fresh.unet(x, t, enc).sample, want_u, rtol=0, atol=1e-4)
+        torch.testing.assert_close(fresh.text_encoder(ids)[0], want_t, rtol=0, atol=1e-4)
 
 
 # --- dropout ------------------------------------------------------------------------------------------------------
@@ -188,7 +191,15 @@ def test_saved_file_identical_with_and_without_dropout(make_tiny, tmp_path):
             model.unet(*unet_inputs())
         files.append(tmp_path / f"{len(files)}.safetensors")
         net.save_weights(str(files[-1]), torch.float16, {"ss_network_dim": "4"})
-    assert files[0].read_bytes() == files[1].read_bytes()
+    # the tensor payload must be byte-identical; the header's metadata order is not fixed by safetensors
+    payloads = []
+    for file in files:
+        data = file.read_bytes()
+        payloads.append(data[8 + int.from_bytes(data[:8], "little"):])
+        with safe_open(str(file), "pt") as f:
+            assert f.metadata()["ss_network_dim"] == "4"
+    assert payloads[0] == payloads[1]
+    assert load_file(str(files[0])).keys() == load_file(str(files[1])).keys()
 
 
 @pytest.mark.parametrize("key", ["rank_dropout", "module_dropout", "dropout"])

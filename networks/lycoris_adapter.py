@@ -1,0 +1,115 @@
+"""``--network_module lycoris.kohya`` (LoCon, LoHa, LoKr, ...) saved in the format SD tools load.
+
+The trainer should import this module when the user names ``lycoris.kohya`` (``networks.NETWORK_MODULE_ALIASES``)
+and keep ``ss_network_module = "lycoris.kohya"`` in the metadata. It calls ``lycoris.kohya`` (package
+``lycoris-lora``) with the same arguments and fixes three things for SD1.x/2.x with diffusers / transformers 5:
+
+* **Text-encoder names.** LyCORIS names modules from ``named_modules()``; transformers 5's CLIPTextModel lost its
+  ``text_model`` submodule, so LyCORIS would write ``lora_te_encoder_layers_...``, which diffusers, ComfyUI and A1111
+  do not recognise. The text encoder is handed to LyCORIS inside a view whose ``text_model`` child is the encoder,
+  giving the usual ``lora_te_text_model_encoder_layers_...``; files load back the same way. Every key starts with
+  ``lora_unet_`` or ``lora_te_``, so diffusers converts the file.
+* **Duplicate time-embedding modules.** lycoris-lora 4.1.3's presets target both the ``TimestepEmbedding`` class
+  and the names ``time_embedding.linear_1/2``, which on a diffusers U-Net creates each of those modules twice and
+  fails on LyCORIS's duplicate-name assertion; the class is dropped from the preset while the network is built
+  (the two layers stay targeted by name).
+* **Saving** goes through ``networks.lora.save_weights_file``: atomic, with sd-scripts' ``sshs_model_hash`` and
+  ``sshs_legacy_hash`` (LyCORIS writes a different model hash and no legacy hash).
+
+Dropouts: ``neuron_dropout`` (``--network_dropout``) becomes LyCORIS's ``dropout`` unless network_args give one, as
+sd-scripts' trainer does; ``dropout``, ``rank_dropout`` and ``module_dropout`` must be probabilities in [0, 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from lycoris import kohya
+from torch import nn
+
+from networks.args import parse_probability
+from networks.lora import save_weights_file
+
+_DUPLICATED_CLASS = "TimestepEmbedding"
+_DUPLICATED_NAMES = ("time_embedding.linear_1", "time_embedding.linear_2")
+
+
+class _TextModelView(nn.Module):
+    """Exposes a transformers 5 CLIPTextModel as ``text_model`` so module paths start with ``text_model.``."""
+
+    def __init__(self, text_encoder: nn.Module) -> None:
+        super().__init__()
+        self.text_model = text_encoder
+
+
+class KohyaLycorisNetwork(kohya.LycorisNetworkKohya):
+    """A ``LycorisNetworkKohya`` whose ``save_weights`` writes sd-scripts' format (see the module docstring)."""
+
+    def save_weights(self, file: str | os.PathLike[str], dtype: torch.dtype | None,
+                     metadata: Mapping[str, str] | None) -> None:
+        state_dict = {k: v.detach().to("cpu", dtype or v.dtype).clone().contiguous() for k, v in
+                      self.state_dict().items()}
+        save_weights_file(state_dict, file, metadata)
+
+
+def _text_encoder_view(text_encoder: Any) -> Any:
+    if text_encoder is None:
+        return None
+    if isinstance(text_encoder, (list, tuple)):
+        return [_text_encoder_view(te) for te in text_encoder]
+    return text_encoder if hasattr(text_encoder, "text_model") else _TextModelView(text_encoder)
+
+
+def _deduplicated(preset: Mapping[str, Any]) -> dict[str, Any]:
+    preset = dict(preset)
+    names = preset.get("unet_target_name") or []
+    if any(n in names for n in _DUPLICATED_NAMES):
+        preset["unet_target_module"] = [m for m in preset.get("unet_target_module", []) if m != _DUPLICATED_CLASS]
+    return preset
+
+
+@contextlib.contextmanager
+def _without_duplicate_targets() -> Iterator[None]:
+    """Deduplicate the built-in presets (restored afterwards) and the class's current targets."""
+    saved = dict(kohya.PRESET)
+    kohya.PRESET.update({name: _deduplicated(p) for name, p in saved.items()})
+    cls = kohya.LycorisNetworkKohya
+    cls.apply_preset(_deduplicated({"unet_target_module": cls.UNET_TARGET_REPLACE_MODULE,
+                                    "unet_target_name": cls.UNET_TARGET_REPLACE_NAME}))
+    try:
+        yield
+    finally:
+        kohya.PRESET.clear()
+        kohya.PRESET.update(saved)
+
+
+def create_network(multiplier: float, network_dim: int | None, network_alpha: float | None, vae: Any,
+                   text_encoder: Any, unet: Any, neuron_dropout: float | None = None,
+                   **kwargs: Any) -> KohyaLycorisNetwork:
+    """``lycoris.kohya.create_network`` with kohya text-encoder names and sd-scripts' save format."""
+    if kwargs.get("dropout") is None and neuron_dropout is not None:
+        kwargs["dropout"] = neuron_dropout
+    for key in ("dropout", "rank_dropout", "module_dropout"):
+        parse_probability(key, kwargs.get(key))
+    with _without_duplicate_targets():
+        network = kohya.create_network(multiplier, network_dim, network_alpha, vae, _text_encoder_view(text_encoder),
+                                       unet, **kwargs)
+    network.__class__ = KohyaLycorisNetwork
+    return network
+
+
+def create_network_from_weights(multiplier: float, file: str | os.PathLike[str] | None, vae: Any, text_encoder: Any,
+                                unet: Any, weights_sd: Mapping[str, torch.Tensor] | None = None,
+                                for_inference: bool = False, **kwargs: Any) -> tuple[KohyaLycorisNetwork, Any]:
+    """``lycoris.kohya.create_network_from_weights`` (algorithm, rank and alpha read from the file)."""
+    with _without_duplicate_targets():
+        network, weights = kohya.create_network_from_weights(
+            multiplier, None if file is None else os.fspath(file), vae, _text_encoder_view(text_encoder), unet,
+            weights_sd=weights_sd, for_inference=for_inference, **kwargs,
+        )
+    network.__class__ = KohyaLycorisNetwork
+    return network, weights
