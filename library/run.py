@@ -67,6 +67,7 @@ def run(cfg: TrainConfig) -> RunResult:
     scheduler = stages.build_scheduler(optimizer, cfg.schedule, choice, plan, cfg.optimizer.learning_rate)
     for warning in stages.optimizer_warnings(choice, groups, cfg.schedule, cfg.precision.full_bf16, plan):
         log.warning(warning)
+    log.info(policy.describe(stages.optimizer_state_label(choice, policy)))
     accumulation = stages.build_accumulation(network, cfg.schedule, cfg.precision, policy)
     position = Position()
     if resume is not None:
@@ -89,7 +90,8 @@ def run(cfg: TrainConfig) -> RunResult:
     updater = Updater(params, optimizer, scheduler, accumulation, plan.gradient_accumulation_steps,
                       cfg.optimizer.max_grad_norm, cfg.precision.max_nan_steps,
                       loss_scale=DynamicLossScale() if policy.loss_scaling else None,
-                      max_norm=(network, cfg.network.scale_weight_norms) if cfg.network.scale_weight_norms else None)
+                      max_norm=(network, cfg.network.scale_weight_norms) if cfg.network.scale_weight_norms else None,
+                      fused=cfg.optimizer.fused_backward_pass)
     batch_loss = BatchLoss(model, cfg.noise, cfg.loss, policy, device, torch.Generator().manual_seed(seed),
                            cfg.model.clip_skip, cfg.model.max_token_length, train_te)
     stages.compile_unet(model, cfg.precision)
@@ -102,5 +104,5 @@ def run(cfg: TrainConfig) -> RunResult:
     finally:
         tracker.close()
         accumulation.remove()
-    log.info(policy.describe(optimizer_state_dtype(optimizer)))
+    log.info("optimizer state after training: %s", optimizer_state_dtype(optimizer))
     return RunResult(out_dir / f"{name}.{cfg.save.save_model_as}", result)

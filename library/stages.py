@@ -56,9 +56,9 @@ def check_optimizer(cfg: OptimizerConfig, schedule: ScheduleConfig) -> Optimizer
         log.warning("Adafactor with relative_step=True sets its own step size: --lr_scheduler %s is replaced by "
                     "the adafactor schedule (as sd-scripts does); pass relative_step=False scale_parameter=False "
                     "to use a normal schedule", schedule.lr_scheduler)
-    if cfg.fused_backward_pass and spec is not None and not spec.fused_backward:
+    if cfg.fused_backward_pass and (spec is None or not spec.fused_backward):
         raise UserError(f"--fused_backward_pass needs an optimizer that can step one parameter at a time; "
-                        f"{spec.name} cannot. Use one of: {', '.join(_fused_backward_names())}")
+                        f"{choice.name} cannot. Use one of: {', '.join(_fused_backward_names())}")
     return choice
 
 
@@ -180,6 +180,20 @@ def rounds_stochastically(choice: OptimizerChoice, policy: PrecisionPolicy) -> b
     if spec.stochastic_rounding == "native":
         return bool(options.get("use_stochastic_rounding", options.get("stochastic_rounding", True)))
     return bool(options.get("stochastic_rounding", spec.sr_default))
+
+
+def optimizer_state_label(choice: OptimizerChoice, policy: PrecisionPolicy) -> str:
+    """The optimizer state's dtype as it will be allocated, for the start-of-run precision line."""
+    from library.precision import dtype_name
+
+    spec = choice.spec
+    if spec is None:
+        return "as the optimizer allocates it"
+    if spec.eight_bit_state:
+        return "8-bit (tensors under 4096 elements fp32)"
+    if spec.stochastic_rounding != "native" and rounds_stochastically(choice, policy):
+        return "fp32 (stochastic-rounding wrapper)"
+    return dtype_name(policy.network_dtype)
 
 
 def save_dtype(cfg: SaveConfig) -> torch.dtype | None:

@@ -1,0 +1,169 @@
+"""One optimizer update: accumulation equivalence, stochastic accumulation, NaN guard, fused backward, loss scale."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from library.accumulation import build_accumulation
+from library.errors import TrainingDiverged
+from library.update import DynamicLossScale, Updater
+from optimizers import StochasticAdamW
+
+
+def _updater(model: nn.Module, steps: int, *, dtype=torch.float32, mode="stochastic", optimizer=None, **kwargs):
+    params = list(model.parameters())
+    optimizer = optimizer or torch.optim.SGD(params, lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    accumulation = build_accumulation(model, steps=steps, network_dtype=dtype, mode=mode)
+    return Updater(params, optimizer, scheduler, accumulation, steps, kwargs.pop("max_grad_norm", 0.0),
+                   kwargs.pop("max_nan_steps", 3), **kwargs)
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _fresh_model():
+    torch.manual_seed(0)
+    return nn.Linear(5, 3)
+
+
+def test_accumulating_two_halves_equals_one_full_batch_in_fp32():
+    x, y = _data()
+    whole = _fresh_model()
+    u = _updater(whole, 1)
+    u.backward(nn.functional.mse_loss(whole(x), y))
+    u.update()
+    halves = _fresh_model()
+    u = _updater(halves, 2)
+    for part in (slice(0, 4), slice(4, 8)):
+        u.backward(nn.functional.mse_loss(halves(x[part]), y[part]))
+    u.update()
+    torch.testing.assert_close(halves.weight, whole.weight)
+    torch.testing.assert_close(halves.bias, whole.bias)
+
+
+class Probe(nn.Module):
+    """A bf16 parameter whose gradient is exactly the coefficient given to forward."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(n, dtype=torch.bfloat16))
+
+    def forward(self, coefficient: float) -> torch.Tensor:
+        return (self.p.float() * coefficient).sum()
+
+
+def _accumulate_small_updates(mode: str) -> torch.Tensor:
+    # one gradient of 1.0, then 63 of 1e-3: each 1e-3 is below half a bf16 step at 1.0 (2^-8), so
+    # round-to-nearest keeps 1.0 while the exact sum is 1.063.
+    probe = Probe(4096)
+    acc = build_accumulation(probe, steps=64, network_dtype=torch.bfloat16, mode=mode)
+    probe(1.0).backward()
+    for _ in range(63):
+        probe(1e-3).backward()
+        assert probe.p.grad is None  # gradients live in the accumulation buffer between micro-batches
+    acc.restore()
+    acc.remove()
+    return probe.p.grad.float()
+
+
+def test_plain_bf16_accumulation_loses_small_gradients():
+    probe = Probe(16)
+    probe(1.0).backward()
+    for _ in range(63):
+        probe(1e-3).backward()
+    assert float(probe.p.grad.float().mean()) == 1.0
+
+
+def test_stochastic_accumulation_is_unbiased():
+    grad = _accumulate_small_updates("stochastic")
+    # 4096 independent roundings; each final value is within a few bf16 steps of 1.063
+    assert abs(float(grad.mean()) - 1.063) < 3e-3
+    assert grad.dtype == torch.float32 and torch.all(grad == grad.bfloat16().float())
+
+
+def test_fp32_buffer_accumulation_is_exact_before_the_final_cast():
+    grad = _accumulate_small_updates("fp32")
+    assert torch.all(grad == torch.tensor(1.063).bfloat16().float())
+
+
+def test_non_finite_loss_skips_the_update_and_stops_after_max_nan_steps():
+    model = _fresh_model()
+    before = model.weight.detach().clone()
+    u = _updater(model, 1, max_nan_steps=2)
+    x, y = _data()
+    u.backward(nn.functional.mse_loss(model(x), y) * float("nan"))
+    assert not u.update().applied
+    assert torch.equal(model.weight, before)
+    u.backward(nn.functional.mse_loss(model(x), y))
+    assert u.update().applied  # a good update resets the count
+    for _ in range(1):
+        u.backward(torch.tensor(float("inf")))
+        u.update()
+    after_one_bad = model.weight.detach().clone()
+    u.backward(torch.tensor(float("nan")))
+    with pytest.raises(TrainingDiverged):
+        u.update()
+    assert torch.equal(model.weight, after_one_bad)
+
+
+def test_nan_gradient_never_reaches_bf16_weights():
+    model = nn.Linear(4, 4).to(torch.bfloat16)
+    before = model.weight.detach().clone()
+    opt = StochasticAdamW(model.parameters(), lr=1e-2)
+    u = _updater(model, 1, dtype=torch.bfloat16, optimizer=opt)
+    model.weight.register_hook(lambda grad: grad * float("nan"))  # finite loss, NaN gradient
+    u.backward(model(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum())
+    result = u.update()
+    assert not result.applied and math.isnan(result.grad_norm)
+    assert torch.equal(model.weight, before)
+
+
+def test_fused_backward_matches_the_normal_step_and_frees_gradients():
+    x, y = _data()
+    normal = _fresh_model()
+    u = _updater(normal, 1, optimizer=StochasticAdamW(normal.parameters(), lr=1e-2))
+    u.backward(nn.functional.mse_loss(normal(x), y))
+    u.update()
+    fused = _fresh_model()
+    u = _updater(fused, 1, optimizer=StochasticAdamW(fused.parameters(), lr=1e-2), fused=True)
+    u.backward(nn.functional.mse_loss(fused(x), y))
+    assert all(p.grad is None for p in fused.parameters())
+    assert u.update().applied
+    torch.testing.assert_close(fused.weight, normal.weight)
+    torch.testing.assert_close(fused.bias, normal.bias)
+
+
+def test_clipping_limits_the_gradient_norm():
+    model = _fresh_model()
+    x, y = _data()
+    u = _updater(model, 1, max_grad_norm=1e-3)
+    u.backward(nn.functional.mse_loss(model(x), y) * 1000)
+    before = model.weight.detach().clone()
+    result = u.update()
+    assert result.grad_norm > 1e-3
+    step = (model.weight - before).detach()
+    assert float(step.norm()) <= 0.1 * 1e-3 * 1.001  # SGD lr 0.1 x clipped norm
+
+
+def test_loss_scale_shrinks_on_overflow_and_grows_after_good_steps():
+    scale = DynamicLossScale(scale=1024.0, growth_interval=2)
+    scale.update(False)
+    assert scale.scale == 512.0
+    scale.update(True)
+    scale.update(True)
+    assert scale.scale == 1024.0
+
+
+def test_fp16_weights_train_with_loss_scaling():
+    model = nn.Linear(5, 3).half()
+    x, y = _data()
+    u = _updater(model, 1, dtype=torch.float16, loss_scale=DynamicLossScale())
+    before = model.weight.detach().clone()
+    u.backward(nn.functional.mse_loss(model(x.half()).float(), y))
+    assert u.update().applied
+    assert not torch.equal(model.weight, before) and torch.isfinite(model.weight).all()
