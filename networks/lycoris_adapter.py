@@ -60,6 +60,9 @@ def _text_encoder_view(text_encoder: Any) -> Any:
     if text_encoder is None:
         return None
     if isinstance(text_encoder, (list, tuple)):
+        # one encoder must stay unlisted: LyCORIS names listed encoders lora_te1_/lora_te2_ (SDXL)
+        if len(text_encoder) == 1:
+            return _text_encoder_view(text_encoder[0])
         return [_text_encoder_view(te) for te in text_encoder]
     return text_encoder if hasattr(text_encoder, "text_model") else _TextModelView(text_encoder)
 

@@ -120,6 +120,12 @@ def test_diffusers_loads_locon(trained, make_tiny):
         torch.testing.assert_close(pipe.unet(x, t, enc).sample, out, rtol=0, atol=1e-4)
 
 
+def test_single_text_encoder_in_a_list_keeps_lora_te_prefix(make_tiny):
+    model = make_tiny()
+    net = lycoris_adapter.create_network(1.0, 4, 1, None, [model.text_encoder], model.unet, algo="locon")
+    assert {m.lora_name for m in net.text_encoder_loras} == TE_NAMES
+
+
 def test_presets_restored_and_bad_dropout_rejected(make_tiny):
     assert "TimestepEmbedding" in kohya.PRESET["full"]["unet_target_module"]
     with pytest.raises(UserError, match="rank_dropout"):
