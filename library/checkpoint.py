@@ -54,13 +54,14 @@ class Saver:
             shutil.rmtree(state)
 
 
-def make_save_hooks(saver: Saver, network, optimizer, scheduler, metadata: dict[str, str], cfg: SaveConfig,
-                    num_epochs: int, snapshot: dict[str, Any]) -> SaveHooks:
+def make_save_hooks(saver: Saver, network, optimizer, scheduler, noise_generator: torch.Generator,
+                    metadata: dict[str, str], cfg: SaveConfig, num_epochs: int, snapshot: dict[str, Any]) -> SaveHooks:
     """The loop's save callbacks with sd-scripts' cadence, names and pruning rules."""
 
     def state(pos: Position) -> dict[str, Any]:
         return {"network": network.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
+                "noise_rng": noise_generator.get_state(),
                 "train_state": {"current_epoch": pos.epoch, "current_step": pos.step, "config": snapshot}}
 
     def meta(pos: Position, epoch: int) -> dict[str, str]:

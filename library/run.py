@@ -69,9 +69,10 @@ def run(cfg: TrainConfig) -> RunResult:
         log.warning(warning)
     log.info(policy.describe(stages.optimizer_state_label(choice, policy)))
     accumulation = stages.build_accumulation(network, cfg.schedule, cfg.precision, policy)
+    noise_generator = torch.Generator().manual_seed(seed)
     position = Position()
     if resume is not None:
-        position = stages.restore(resume, network, optimizer, scheduler, plan)
+        position = stages.restore(resume, network, optimizer, scheduler, noise_generator, plan)
 
     out_dir = Path(cfg.save.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -92,10 +93,11 @@ def run(cfg: TrainConfig) -> RunResult:
                       loss_scale=DynamicLossScale() if policy.loss_scaling else None,
                       max_norm=(network, cfg.network.scale_weight_norms) if cfg.network.scale_weight_norms else None,
                       fused=cfg.optimizer.fused_backward_pass)
-    batch_loss = BatchLoss(model, cfg.noise, cfg.loss, policy, device, torch.Generator().manual_seed(seed),
+    batch_loss = BatchLoss(model, network, cfg.noise, cfg.loss, policy, device, noise_generator,
                            cfg.model.clip_skip, cfg.model.max_token_length, train_te)
     stages.compile_unet(model, cfg.precision)
-    saves = make_save_hooks(saver, network, optimizer, scheduler, meta, cfg.save, plan.num_epochs, asdict(cfg))
+    saves = make_save_hooks(saver, network, optimizer, scheduler, noise_generator, meta, cfg.save, plan.num_epochs,
+                            asdict(cfg))
     try:
         result = train_loop(
             data=data, batch_loss=batch_loss, updater=updater, plan=plan, saves=saves, tracker=tracker,

@@ -25,6 +25,7 @@ from library.models import SDModel, load_sd_model
 from library.precision import PrecisionPolicy
 from library.schedule import StepPlan, build_lr_scheduler, resolve_steps
 from library.train import Position
+from networks import NETWORK_MODULE_ALIASES
 from networks.args import network_metadata
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPo
 def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, device: torch.device):
     """Create the network with ``--network_module``'s ``create_network`` and attach it to the models."""
     try:
-        module = importlib.import_module(cfg.network_module)
+        module = importlib.import_module(NETWORK_MODULE_ALIASES.get(cfg.network_module, cfg.network_module))
     except ImportError as exc:
         raise UserError(f"--network_module {cfg.network_module}: cannot import it ({exc}); use networks.lora, "
                         "or install the package that provides it (lycoris.kohya: pip install lycoris-lora)") from exc
@@ -218,7 +219,8 @@ def lr_reporter(optimizer, descriptions: list[str]) -> Callable[[], dict[str, fl
     return values
 
 
-def restore(resume: tuple[dict, dict], network, optimizer, scheduler, plan: StepPlan) -> Position:
+def restore(resume: tuple[dict, dict], network, optimizer, scheduler, noise_generator: torch.Generator,
+            plan: StepPlan) -> Position:
     """Load a ``--save_state`` folder; mismatches are explained instead of surfacing as tensor errors."""
     state, train_state = resume
     try:
@@ -229,6 +231,7 @@ def restore(resume: tuple[dict, dict], network, optimizer, scheduler, plan: Step
                         "and optimizer settings as the run that saved it") from exc
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
+    noise_generator.set_state(state["noise_rng"])
     step = int(train_state["current_step"])
     if step >= plan.max_train_steps:
         raise UserError(f"--resume: the saved state is at step {step}, which already reaches --max_train_steps "

@@ -28,6 +28,7 @@ class BatchLoss:
     """Computes the training loss of a batch; everything it needs is fixed when it is built."""
 
     model: SDModel
+    network: torch.nn.Module
     noise: NoiseConfig
     loss: LossConfig
     policy: PrecisionPolicy
@@ -45,7 +46,7 @@ class BatchLoss:
         else:
             with torch.no_grad():
                 images = batch["images"].to(self.device, self.policy.vae_dtype)
-                latents = vae.encode(images).latent_dist.sample(generator=None).float()
+                latents = vae.encode(images).latent_dist.sample(generator=self.generator).float()
         if not torch.isfinite(latents).all():
             log.warning("NaN/Inf in VAE latents of %s; replaced by 0 (try --no_half_vae)", batch.get("image_paths"))
             latents = torch.nan_to_num(latents, nan=0.0, posinf=0.0, neginf=0.0)
@@ -58,6 +59,8 @@ class BatchLoss:
                                max_token_length=self.max_token_length, v2=self.model.v2)
 
     def __call__(self, batch: dict) -> torch.Tensor:
+        if "network_multipliers" in batch:  # a batch never mixes datasets, so one multiplier serves it
+            self.network.set_multiplier(float(batch["network_multipliers"][0]))
         latents = self.latents(batch)
         hidden = self.conditioning(batch["captions"])
         scheduler = self.model.noise_scheduler
