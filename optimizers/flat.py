@@ -5,9 +5,9 @@ SD1.5 rank-16 LoRA). Here the whole update of a param group runs as one ``torch.
 flat buffers: the moments live in one flat buffer per group (each parameter's ``state["ema"]``/``state["ema_squared"]``
 is a view into it, so state dicts keep Torchastic's per-parameter layout), parameters and gradients are gathered with
 one ``torch.cat`` each and the new parameters scattered back with one ``_foreach_copy_``. The random bits come from
-``rounding.hash_bits`` of (element index, per-step seed) inside the kernel, so they cost a few integer operations
-instead of a generator call. Scalars that change every step (bias corrections, lr, seeds) enter as 0-d tensors so the
-kernel compiles once (sizes are dynamic).
+``rounding.hash32`` of (element index, per-step seed) inside the kernel (rounded with ``round_with_bits_branchless``,
+which inductor vectorizes), so they cost a few integer operations instead of a generator call. Scalars that change
+every step (bias corrections, lr, seeds) enter as one small tensor so the kernel compiles once (sizes are dynamic).
 
 A group takes this path only when every parameter has a gradient, all share dtype, device and step count, and
 ``centralization`` is 0 (it needs per-tensor means); otherwise that group steps eagerly, per parameter, which gives
@@ -25,20 +25,23 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from optimizers.rounding import hash_bits, round_with_bits, step_seed
+from optimizers.rounding import hash32, round_with_bits_branchless, step_seed
 
 AUTO_NUMEL = 1 << 20
+REMIX = 0x2C1B3C6D  # odd: multiplying by it permutes 32-bit words, so the remixed high half is uniform too
+MAX_NUMEL = (1 << 31) - 1
 _SEED_MASK = (1 << 31) - 1
 _kernels: dict[str, Any] = {}
 
 
 def adamw_flat_math(
-    p: Tensor, g: Tensor, m: Tensor, v: Tensor, seeds: Tensor, scalars: Tensor, rounding: str
+    p: Tensor, g: Tensor, m: Tensor, v: Tensor, seed: Tensor, scalars: Tensor, rounding: str
 ) -> Tensor:
     """AdamW on flat buffers; updates ``m``/``v`` in place and returns the new parameters (in ``p``'s dtype).
 
-    ``scalars`` = [beta1, beta2, eta = lr/bc1, sqrt(1 - beta2^t), eps, 1 - eta*wd] (fp32); ``seeds`` = 3 int64 seeds
-    for p, m, v; ``rounding`` is "stochastic", "nearest" (bf16 without SR) or "none" (fp32).
+    ``scalars`` = [beta1, beta2, eta = lr/bc1, sqrt(1 - beta2^t), eps, 1 - eta*wd] (fp32); ``seed`` = 0-d int32 step
+    seed (one 32-bit hash per element gives the bits of p and m, its remix those of v); ``rounding`` is
+    "stochastic", "nearest" (bf16 without SR) or "none" (fp32).
     """
     beta1, beta2, eta, bc2s, eps, decay = scalars.unbind()
     grad = g.float()
@@ -46,10 +49,11 @@ def adamw_flat_math(
     v32 = v.float() * beta2 + grad * grad * (1.0 - beta2)
     theta = p.float() * decay - eta * m32 / (torch.sqrt(v32) / bc2s + eps)
     if rounding == "stochastic":
-        index = torch.arange(p.numel(), device=p.device, dtype=torch.int64)
-        m32 = round_with_bits(m32, hash_bits(index, seeds[1]))
-        v32 = round_with_bits(v32, hash_bits(index, seeds[2]))
-        theta = round_with_bits(theta, hash_bits(index, seeds[0]))
+        hashed = hash32(torch.arange(p.numel(), device=p.device, dtype=torch.int32), seed)
+        remixed = hashed * REMIX
+        theta = round_with_bits_branchless(theta, hashed & 0xFFFF)
+        m32 = round_with_bits_branchless(m32, (hashed >> 16) & 0xFFFF)
+        v32 = round_with_bits_branchless(v32, (remixed >> 16) & 0xFFFF)
     m.copy_(m32)
     v.copy_(v32)
     return theta.to(p.dtype)
@@ -74,7 +78,8 @@ class FlatAdamW:
         params = group["params"]
         if self.failed or not params or group["centralization"] != 0:
             return False
-        if not self.required and sum(param.numel() for param in params) < AUTO_NUMEL:
+        total = sum(param.numel() for param in params)
+        if total > MAX_NUMEL or (not self.required and total < AUTO_NUMEL):
             return False
         first = params[0]
         if any(param.grad is None or param.dtype != first.dtype or param.device != first.device for param in params):
@@ -126,10 +131,8 @@ class FlatAdamW:
             [beta1, beta2, eta, (1.0 - beta2**step) ** 0.5, group["eps"], 1.0 - eta * group["weight_decay"]],
             dtype=torch.float32, device=params[0].device,
         )
-        seeds = torch.tensor(
-            [step_seed(group["seed"], step, index, stream) & _SEED_MASK for stream in (0, 1, 2)],
-            dtype=torch.int64, device=params[0].device,
-        )
+        seed = torch.tensor(step_seed(group["seed"], step, index) & _SEED_MASK, dtype=torch.int32,
+                            device=params[0].device)
         if params[0].dtype == torch.float32:
             rounding = "none"
         else:
@@ -137,7 +140,7 @@ class FlatAdamW:
         flat_params = torch.cat([param.detach().reshape(-1) for param in params])
         flat_grads = torch.cat([param.grad.detach().reshape(-1) for param in params])
         try:
-            updated = _kernel(rounding)(flat_params, flat_grads, ema, ema_squared, seeds, scalars, rounding)
+            updated = _kernel(rounding)(flat_params, flat_grads, ema, ema_squared, seed, scalars, rounding)
         except Exception as error:
             if self.required:
                 raise RuntimeError(f"StochasticAdamW(compiled=True): torch.compile failed ({error}); pass "

@@ -6,10 +6,13 @@ exactly representable in bf16, keeps the sign, rounds the top of a binade into t
 largest finite values to Inf (correct SR behaviour). Decision (f): NaN stays NaN; the reference kernels can turn
 some NaN patterns (0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001) into ±0 or ±Inf and hide a divergence.
 
-One kernel, ``round_with_bits``, serves every bf16 write-back; only the source of the random bits differs:
+One algorithm serves every bf16 write-back, written twice with identical results (NaN aside: both give a NaN):
+``round_with_bits`` for eager code (add, mask, ``where(isnan)``: fewest passes) and ``round_with_bits_branchless``
+for compiled code, which detects NaN with integer arithmetic only, because comparisons (and int16) keep inductor's
+CPU code generator from vectorizing the fused kernel (torch 2.13: 3-4x slower). Only the source of the bits differs:
 * eager code draws them from a ``torch.Generator`` on the tensor's device, seeded from (seed, step, parameter index)
   with ``step_seed`` so that runs and resumes are reproducible;
-* compiled code (``optimizers.flat``) uses ``hash_bits``, a counter-based integer hash of (element index, step seed),
+* compiled code (``optimizers.flat``) uses ``hash32``, a counter-based integer hash of (element index, step seed),
   which fuses into the update kernel and is much cheaper than ``randint`` on CPU (ENVIRONMENT.md trap 8).
 """
 
@@ -19,6 +22,10 @@ import torch
 from torch import Tensor
 
 _MASK_HIGH16 = -65536  # 0xFFFF0000 as a signed int32
+_QUIET_NAN_BIT = 0x400000
+_GOLDEN = -1640531535  # 0x9E3779B1 as a signed int32
+_MIX1 = 0x7FEB352D
+_MIX2 = 0x846CA68B - (1 << 32)
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 _generators: dict[torch.device, torch.Generator] = {}
@@ -28,6 +35,17 @@ def round_with_bits(x: Tensor, bits: Tensor) -> Tensor:
     """Stochastically round fp32 ``x`` with random ``bits`` (int32 in [0, 2^16)); fp32 result, exact in bf16."""
     rounded = (x.view(torch.int32) + bits).bitwise_and_(_MASK_HIGH16).view(torch.float32)
     return torch.where(torch.isnan(x), x, rounded)
+
+
+def round_with_bits_branchless(x: Tensor, bits: Tensor) -> Tensor:
+    """Same result as ``round_with_bits`` using only integer arithmetic (vectorizes under ``torch.compile`` on CPU).
+
+    nan = (exponent == 255) & (mantissa != 0) computed as ((exponent + 1) >> 8) & ((mantissa + 0x7FFFFF) >> 23); a NaN
+    gets no random carry and its quiet bit set, so it stays NaN.
+    """
+    b = x.view(torch.int32)
+    nan = ((((b >> 23) & 0xFF) + 1) >> 8) & (((b & 0x7FFFFF) + 0x7FFFFF) >> 23)
+    return (((b + bits * (1 - nan)) & _MASK_HIGH16) | (nan * _QUIET_NAN_BIT)).view(torch.float32)
 
 
 def step_seed(seed: int, step: int, index: int = 0, stream: int = 0) -> int:
@@ -57,19 +75,18 @@ def random_bits(like: Tensor, generator: torch.Generator | None) -> Tensor:
     return torch.randint(0, 1 << 16, like.shape, dtype=torch.int32, device=like.device, generator=generator)
 
 
-def hash_bits(index: Tensor, seed: Tensor) -> Tensor:
-    """16 pseudo-random bits per element from an integer hash of (int64 ``index``, int64 0-d ``seed``).
+def hash32(index: Tensor, seed: Tensor) -> Tensor:
+    """32 pseudo-random bits per element from int32 ``index`` and a 0-d int32 ``seed`` (lowbias32-style mixer).
 
-    All arithmetic stays below 2^63 in int64 (32-bit state, multipliers < 2^31), so it is exact and identical in eager
-    mode, on every device and under ``torch.compile``.
+    int32 arithmetic wraps identically in eager mode, under ``torch.compile`` and on CUDA; right shifts are masked so
+    that they act as logical shifts. Use ``h & 0xFFFF`` and ``(h >> 16) & 0xFFFF`` as two independent 16-bit draws.
     """
-    h = (index * 0x9E3779B1 + seed) & _MASK32
-    h = h ^ (h >> 16)
-    h = (h * 0x45D9F3B) & _MASK32
-    h = h ^ (h >> 16)
-    h = (h * 0x45D9F3B) & _MASK32
-    h = h ^ (h >> 16)
-    return (h & 0xFFFF).to(torch.int32)
+    h = index * _GOLDEN + seed
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _MIX1
+    h = h ^ ((h >> 15) & 0x1FFFF)
+    h = h * _MIX2
+    return h ^ ((h >> 16) & 0xFFFF)
 
 
 def stochastic_round(x: Tensor, generator: torch.Generator | None = None) -> Tensor:

@@ -8,8 +8,9 @@ import torch
 from optimizers.rounding import (
     add_stochastic_,
     copy_stochastic_,
-    hash_bits,
+    hash32,
     round_with_bits,
+    round_with_bits_branchless,
     seeded_generator,
     step_seed,
     stochastic_round,
@@ -35,14 +36,32 @@ def test_mean_of_many_roundings_is_the_fp32_value(value: float) -> None:
 
 
 @pytest.mark.parametrize("value", VALUES)
-def test_hashed_bits_are_unbiased_too(value: float) -> None:
+@pytest.mark.parametrize("half", ["low", "high"])
+def test_hashed_bits_are_unbiased_too(value: float, half: str) -> None:
     x = torch.full((DRAWS,), value, dtype=torch.float32)
     exact = float(x[0])
-    bits = hash_bits(torch.arange(DRAWS, dtype=torch.int64), torch.tensor(12345, dtype=torch.int64))
+    hashed = hash32(torch.arange(DRAWS, dtype=torch.int32), torch.tensor(12345, dtype=torch.int32))
+    bits = hashed & 0xFFFF if half == "low" else (hashed >> 16) & 0xFFFF
     assert int(bits.min()) >= 0 and int(bits.max()) < 1 << 16
-    rounded = round_with_bits(x, bits).double()
+    rounded = round_with_bits_branchless(x, bits).double()
     standard_error = float(rounded.std()) / DRAWS**0.5
     assert abs(float(rounded.mean()) - exact) <= 3 * standard_error
+
+
+def test_branchless_form_equals_the_eager_form() -> None:
+    generator = torch.Generator().manual_seed(8)
+    exponents = torch.randint(-130, 128, (20_000,), generator=generator).float()
+    x = torch.randn(20_000, generator=generator) * torch.pow(2.0, exponents)
+    specials = bits_of([0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7F800000, 0xFF800000, 0, 0x80000000,
+                        0x7F7FFFFF, 0x00000001])
+    x = torch.cat([x, specials.repeat(100)])
+    bits = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=generator)
+    bits[-len(specials) * 100:] = 0xFFFF
+    eager = round_with_bits(x, bits)
+    branchless = round_with_bits_branchless(x, bits)
+    nan = torch.isnan(x)
+    assert torch.equal(torch.isnan(eager), nan) and torch.equal(torch.isnan(branchless), nan)
+    assert torch.equal(eager[~nan].view(torch.int32), branchless[~nan].view(torch.int32))
 
 
 def test_every_output_is_bf16_exact_and_one_of_the_two_neighbours() -> None:
@@ -64,6 +83,7 @@ def test_nan_stays_nan(pattern: int) -> None:
     assert torch.isnan(stochastic_round(x, seeded_generator("cpu", 1))).all()
     carry_bits = torch.full(x.shape, 0xFFFF, dtype=torch.int32)
     assert torch.isnan(round_with_bits(x, carry_bits)).all()
+    assert torch.isnan(round_with_bits_branchless(x, carry_bits)).all()
 
 
 def test_infinities_and_signed_zeros_are_kept() -> None:
