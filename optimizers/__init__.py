@@ -292,7 +292,14 @@ def validate_options(name: str | None, options: Mapping[str, Any]) -> dict[str, 
     if spec is None:
         _check_dotted_options(str(name), _dotted_class(str(name)), options)
         return dict(options)
-    return resolve_options(spec, options)
+    resolved = resolve_options(spec, options)
+    _check_rounding(spec, resolved)
+    return resolved
+
+
+def _check_rounding(spec: OptimizerSpec, resolved: Mapping[str, Any]) -> None:
+    if spec.stochastic_rounding == "none" and resolved.get("stochastic_rounding"):
+        raise OptimizerConfigError(f"optimizer {spec.name}: {_NO_SR_8BIT['stochastic_rounding']}")
 
 
 def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -323,12 +330,11 @@ def build_optimizer(name: str | None, param_groups: Iterable[Any], lr: float | N
         optimizer_class = _dotted_class(str(name))
         return _construct(str(name), lambda: optimizer_class(groups, lr=lr, **options))
     resolved = resolve_options(spec, options)
+    _check_rounding(spec, resolved)
     if spec.stochastic_rounding == "native":
         return _construct(spec.name, lambda: spec.factory(groups, lr, resolved))
     rounding = bool(resolved.pop("stochastic_rounding", spec.sr_default))
     seed = int(resolved.pop("seed", 0))
-    if rounding and spec.stochastic_rounding == "none":
-        raise OptimizerConfigError(f"optimizer {spec.name}: {_NO_SR_8BIT['stochastic_rounding']}")
     has_bf16 = any(param.dtype == torch.bfloat16 for group in groups for param in group["params"])
     if not (rounding and has_bf16):
         return _construct(spec.name, lambda: spec.factory(groups, lr, resolved))

@@ -18,6 +18,7 @@ step several times faster on large parameter sets.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -74,6 +75,7 @@ class StochasticAdamW(SROptimizer):
         super().__init__(params, defaults)
         self.compiled = compiled
         self._flat: Any = None
+        self._warned_eager = False
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -90,6 +92,11 @@ class StochasticAdamW(SROptimizer):
                 loss = closure()
         for group in self.param_groups:
             if not self._flat.step_group(group):
+                if self.compiled and not self._warned_eager:
+                    self._warned_eager = True
+                    warnings.warn("StochasticAdamW(compiled=True): a param group does not qualify for the fused path "
+                                  "(missing gradients, mixed dtypes/devices/steps or centralization != 0); it steps "
+                                  "eagerly", stacklevel=2)
                 for param in group["params"]:
                     if param.grad is not None:
                         self._step_one(param, group)

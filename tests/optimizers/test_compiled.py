@@ -5,9 +5,10 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 
-from optimizers import StochasticAdamW
+from optimizers import StochasticAdamW, flat
 
 
 def test_compiled_step_is_unbiased_and_resumable() -> None:
@@ -43,3 +44,24 @@ def test_compiled_step_is_unbiased_and_resumable() -> None:
     resumed.step()
     for a, b in zip(params, resumed_params, strict=True):
         assert torch.equal(a.detach(), b.detach())
+
+
+def broken_kernel(rounding: str) -> object:
+    def fail(*args: object) -> None:
+        raise RuntimeError("simulated compiler failure")
+
+    return fail
+
+
+def test_compile_failure_raises_when_asked_for_and_warns_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flat, "_kernel", broken_kernel)
+    param = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    param.grad = torch.ones(64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="compiled=False"):
+        StochasticAdamW([param], lr=1e-2, compiled=True).step()
+    monkeypatch.setattr(flat, "AUTO_NUMEL", 1)
+    optimizer = StochasticAdamW([param], lr=1e-2)
+    with pytest.warns(UserWarning, match="stepping eagerly"):
+        optimizer.step()
+    assert float(param.detach().float().mean()) < 1.0
+    assert optimizer.state[param]["step"] == 1

@@ -135,5 +135,7 @@ def test_stochastic_rounding_uses_the_wrapper_or_is_refused() -> None:
     assert isinstance(build_optimizer("Adafactor", [param], None), StochasticRoundingWrapper)
     with pytest.raises(OptimizerConfigError, match="8-bit"):
         build_optimizer("AdamW8bit", [param], 1e-4, **{"Stochastic Rounding": True})
+    with pytest.raises(OptimizerConfigError, match="8-bit"):
+        validate_options("PagedLion8bit", {"stochastic_rounding": True})
     sparkles = build_optimizer("SPARKLES", [param], 1e-4, stochastic_rounding=False)
     assert sparkles.defaults["use_stochastic_rounding"] is False
