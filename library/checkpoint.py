@@ -27,6 +27,7 @@ from library.errors import UserError
 from library.metadata import at_save
 from library.train import Position, SaveHooks
 
+
 @dataclass
 class Saver:
     """Saves the LoRA (and, with ``--save_state``, the training state) and prunes old saves."""

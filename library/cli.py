@@ -114,7 +114,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     try:
         data = tomllib.loads(file.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{file}: not valid TOML: {exc}")
+        raise UserError(f"{file}: not valid TOML: {exc}") from None
     fields = all_fields()
     known = list(fields) + list(LEGACY_FLAGS) + list(LEGACY_OPTIMIZER_FLAGS)
     values: dict[str, Any] = {}

@@ -42,7 +42,8 @@ def parse_resolution(text: str | int | list | tuple) -> tuple[int, int]:
     try:
         values = [int(p) for p in parts]
     except ValueError:
-        raise UserError(f'--resolution "{text}": expected "SIZE" or "WIDTH,HEIGHT" in pixels, e.g. 512 or 768,512')
+        raise UserError(f'--resolution "{text}": expected "SIZE" or "WIDTH,HEIGHT" in pixels, e.g. 512 or 768,512') \
+            from None
     if len(values) == 1:
         values = values * 2
     if len(values) != 2 or min(values) <= 0:
@@ -60,7 +61,7 @@ def parse_steps_or_ratio(text: str | int | float) -> int | float:
             return float(s[:-1]) / 100.0
         return int(s) if s.lstrip("-").isdigit() else float(s)
     except ValueError:
-        raise UserError(f'"{text}" is not a step count, a ratio below 1 or a percentage such as "10%"')
+        raise UserError(f'"{text}" is not a step count, a ratio below 1 or a percentage such as "10%"') from None
 
 
 def parse_float_pair(text: str | list | tuple) -> tuple[float, float]:
@@ -69,7 +70,7 @@ def parse_float_pair(text: str | list | tuple) -> tuple[float, float]:
     try:
         values = tuple(float(p) for p in parts)
     except ValueError:
-        raise UserError(f'"{text}": expected two numbers separated by a comma, e.g. 2.0,4.0')
+        raise UserError(f'"{text}": expected two numbers separated by a comma, e.g. 2.0,4.0') from None
     if len(values) != 2:
         raise UserError(f'"{text}": expected exactly two numbers separated by a comma, e.g. 2.0,4.0')
     return values  # type: ignore[return-value]
@@ -96,7 +97,7 @@ class DataConfig:
 
     train_data_dir: str | None = flag(None, "parent folder of <repeats>_<name> image folders")
     reg_data_dir: str | None = flag(None, "parent folder of regularization image folders")
-    dataset_config: str | None = flag(None, "dataset TOML/JSON in sd-scripts' schema (overrides the CLI dataset flags)")
+    dataset_config: str | None = flag(None, "dataset TOML/JSON in sd-scripts' schema (overrides CLI dataset flags)")
     in_json: str | None = flag(None, "fine-tuning metadata JSON (captions/tags per image)")
     dataset_repeats: int = flag(1, "repeats for --in_json datasets")
     resolution: tuple[int, int] | None = flag(None, 'training resolution: "512" or "WIDTH,HEIGHT"',
@@ -134,7 +135,7 @@ class DataConfig:
     persistent_data_loader_workers: bool = flag(False, "keep data loader workers alive between epochs")
     skip_broken_images: bool = flag(False, "skip images that fail to decode (default: stop and name the file)")
     cache_latents: bool = flag(False, "encode every image with the VAE once and keep the latents in RAM")
-    cache_latents_to_disk: bool = flag(False, "cache latents in <image>_<W>x<H>_sd.npz files (implies --cache_latents)")
+    cache_latents_to_disk: bool = flag(False, "cache latents in <image>_<W>x<H>_sd.npz (implies --cache_latents)")
     vae_batch_size: int = flag(1, "VAE batch size when caching latents")
 
 
@@ -142,7 +143,7 @@ class DataConfig:
 class NetworkConfig:
     """The LoRA (or other network module) that is trained."""
 
-    network_module: str = flag("networks.lora", "network module with create_network (e.g. networks.lora, lycoris.kohya)")
+    network_module: str = flag("networks.lora", "network module with create_network (networks.lora, lycoris.kohya)")
     network_dim: int | None = flag(None, "LoRA rank (default 4)")
     network_alpha: float | None = flag(None, "LoRA alpha; scale = alpha / rank (default 1)")
     network_dropout: float | None = flag(None, "dropout on the LoRA down-projection outputs (neuron dropout)")
@@ -191,9 +192,10 @@ class ScheduleConfig:
 class PrecisionConfig:
     """Dtypes of every part, and the memory/speed switches that change how the step runs."""
 
-    mixed_precision: str = flag("no", "autocast dtype and dtype of the frozen models", choices=("no", "fp16", "bf16"))
+    mixed_precision: str = flag("no", "autocast dtype and dtype of the frozen models",
+                                choices=("no", "fp16", "bf16"))
     full_bf16: bool = flag(False, "LoRA weights, gradients and optimizer state in bf16 (needs --mixed_precision bf16)")
-    full_fp16: bool = flag(False, "LoRA weights and gradients in fp16 with loss scaling (needs --mixed_precision fp16)")
+    full_fp16: bool = flag(False, "LoRA weights and gradients in fp16, loss scaling (needs --mixed_precision fp16)")
     full_bf16_grad_accumulation: str = flag(
         "stochastic", "how bf16 gradients are summed over --gradient_accumulation_steps: a bf16 sum with "
         "stochastic rounding (2 bytes/param) or an fp32 buffer (4 bytes/param)", choices=("stochastic", "fp32"))
@@ -203,7 +205,8 @@ class PrecisionConfig:
     xformers: bool = flag(False, "use xformers memory-efficient attention (needs the xformers package)")
     mem_eff_attn: bool = flag(False, "memory-efficient attention (this trainer uses --sdpa for it)")
     torch_compile: bool = flag(False, "compile the UNet with torch.compile")
-    dynamo_backend: str = flag("inductor", "torch.compile backend", choices=("inductor", "eager", "aot_eager", "cudagraphs"))
+    dynamo_backend: str = flag("inductor", "torch.compile backend",
+                               choices=("inductor", "eager", "aot_eager", "cudagraphs"))
     max_nan_steps: int = flag(3, "non-finite losses/gradients in a row before the run stops (last good LoRA saved)")
 
 

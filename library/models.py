@@ -30,8 +30,12 @@ if TYPE_CHECKING:
 ASSETS = Path(__file__).resolve().parent / "assets"
 CONFIGS = ASSETS / "configs"
 BUILTIN_TINY = "builtin:tiny-sd15"
+# Built-in models: name -> bundled config. ``sd15-random`` is the real SD1.5 architecture with random weights,
+# for memory and speed measurements at real scale without a download.
+BUILTIN_MODELS = {BUILTIN_TINY: "tiny-sd15", "builtin:sd15-random": "sd15"}
 ACCEPTED_FORMS = (
-    f'"{BUILTIN_TINY}", a diffusers folder (with model_index.json, unet/, vae/, text_encoder/, tokenizer/), '
+    f'{" or ".join(BUILTIN_MODELS)}, a diffusers folder (with model_index.json, unet/, vae/, text_encoder/, '
+    "tokenizer/), "
     "or a single-file SD 1.x/2.x checkpoint (.safetensors, .ckpt, .pt)"
 )
 
@@ -145,6 +149,13 @@ def assemble(
     )
 
 
+def build_builtin(name: str, seed: int = 0) -> SDModel:
+    """A built-in model (``BUILTIN_MODELS``) with weights drawn from ``seed``; the caller's RNG is left untouched."""
+    with seeded(seed):
+        unet, vae, text_encoder = build_from_config(config_dir(BUILTIN_MODELS[name]), empty=False)
+    return assemble(unet, vae, text_encoder, v2=False, v_parameterization=False, name=name)
+
+
 def _load_diffusers_folder(path: Path, *, v2: bool, v_parameterization: bool) -> SDModel:
     """A diffusers pipeline folder, read like ``StableDiffusionPipeline.from_pretrained`` reads its parts."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -213,12 +224,10 @@ def load_sd_model(
     missing path, an unknown file type, or an SD2 model without ``--v2``.
     """
     force_offline()
-    if path == BUILTIN_TINY:
+    if path in BUILTIN_MODELS:
         if v2:
-            raise UserError(f"{BUILTIN_TINY} is an SD 1.x-shaped model; remove --v2")
-        from library.tiny_model import build_tiny_sd15
-
-        model = build_tiny_sd15()
+            raise UserError(f"{path} is an SD 1.x-shaped model; remove --v2")
+        model = build_builtin(path)
         model.v_parameterization = v_parameterization
         model.noise_scheduler = build_noise_scheduler(v_parameterization)
     else:

@@ -20,6 +20,7 @@ from library.checkpoint import Saver, make_save_hooks, read_state
 from library.config import TrainConfig, validate
 from library.data import build_train_data
 from library.metadata import optimizer_description, training_metadata
+from library.noise import apply_zero_terminal_snr
 from library.precision import optimizer_state_dtype, precision_policy
 from library.schedule import describe, plan_steps
 from library.step import BatchLoss
@@ -58,6 +59,8 @@ def run(cfg: TrainConfig) -> RunResult:
     device = _device()
     policy = precision_policy(cfg.precision)
     model = stages.load_model(cfg.model, cfg.precision, policy, device)
+    if cfg.noise.zero_terminal_snr:
+        apply_zero_terminal_snr(model.noise_scheduler)
     network, train_te = stages.build_network(cfg.network, model, policy, device)
     if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
         stages.cache_latents(data, model, policy, device, cfg.data)

@@ -17,9 +17,17 @@ from typing import Any
 import torch
 
 import optimizers
-from library.accumulation import Accumulation, build_accumulation as make_accumulation
-from library.config import (DataConfig, ModelConfig, NetworkConfig, OptimizerConfig, PrecisionConfig,
-                            SaveConfig, ScheduleConfig)
+from library.accumulation import Accumulation
+from library.accumulation import build_accumulation as make_accumulation
+from library.config import (
+    DataConfig,
+    ModelConfig,
+    NetworkConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    SaveConfig,
+    ScheduleConfig,
+)
 from library.errors import UserError
 from library.models import SDModel, load_sd_model
 from library.precision import PrecisionPolicy
@@ -214,7 +222,7 @@ def lr_reporter(optimizer, descriptions: list[str]) -> Callable[[], dict[str, fl
     tags = lr_tags(descriptions)
 
     def values() -> dict[str, float]:
-        return dict(zip(tags, optimizers.effective_lrs(optimizer)))
+        return dict(zip(tags, optimizers.effective_lrs(optimizer), strict=True))
 
     return values
 

@@ -16,17 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from library.models import (
-    BUILTIN_TINY,
-    SDModel,
-    assemble,
-    build_from_config,
-    config_dir,
-    force_offline,
-    seeded,
-)
-
-TINY_CONFIG = "tiny-sd15"
+from library.models import BUILTIN_MODELS, BUILTIN_TINY, SDModel, build_builtin, force_offline
 
 
 def build_tiny_sd15(seed: int = 0) -> SDModel:
@@ -34,9 +24,7 @@ def build_tiny_sd15(seed: int = 0) -> SDModel:
 
     The caller's torch RNG state is left untouched.
     """
-    with seeded(seed):
-        unet, vae, text_encoder = build_from_config(config_dir(TINY_CONFIG), empty=False)
-    return assemble(unet, vae, text_encoder, v2=False, v_parameterization=False, name=BUILTIN_TINY)
+    return build_builtin(BUILTIN_TINY, seed)
 
 
 def save_diffusers_folder(model: SDModel, out_dir: Path) -> None:
@@ -67,7 +55,7 @@ def write_tiny_model(out_dir: Path, seed: int = 0) -> SDModel:
     model = build_tiny_sd15(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_diffusers_folder(model, out_dir)
-    save_checkpoint(model, out_dir / "model.safetensors", config_name=TINY_CONFIG)
+    save_checkpoint(model, out_dir / "model.safetensors", config_name=BUILTIN_MODELS[BUILTIN_TINY])
     return model
 
 

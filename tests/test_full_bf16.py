@@ -73,7 +73,8 @@ def test_torch_compile_inductor_on_a_small_module():
 
 
 def test_fused_backward_pass(tmp_path):
-    args = train_args(tmp_path, "--optimizer_type", "StochasticAdamW", "--fused_backward_pass", "--max_train_steps", "2")
+    args = train_args(tmp_path, "--optimizer_type", "StochasticAdamW", "--fused_backward_pass",
+                      "--max_train_steps", "2")
     assert train_network.main(args) == 0
     assert _meta(tmp_path / "lora.safetensors")["ss_steps"] == "2"
 

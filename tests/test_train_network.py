@@ -118,7 +118,8 @@ def test_missing_model_path(tmp_path, capsys):
 
 def test_empty_data_folder(tmp_path, capsys):
     (tmp_path / "data").mkdir()
-    _fails_cleanly(capsys, tmp_path / "out", train_args(tmp_path / "out", data=tmp_path / "data"), str(tmp_path / "data"))
+    data = tmp_path / "data"
+    _fails_cleanly(capsys, tmp_path / "out", train_args(tmp_path / "out", data=data), str(data))
 
 
 def test_corrupt_image_is_named(tmp_path, capsys):
