@@ -184,10 +184,13 @@ def _assign_buckets(prepared: PreparedDataset, report: ScanReport) -> None:
         members.setdefault(item.choice.bucket, []).extend([index] * item.repeats)
     prepared.buckets = sorted(members.items())
     if spec.enable_bucket:
+        # sd-scripts numbers buckets by their place among all candidate resolutions (sorted), empty ones included;
+        # with bucket_no_upscale the candidates are the buckets actually used.
+        resos = sorted(set(candidates) | set(members)) if not spec.bucket_no_upscale else sorted(members)
         errors_abs = [abs(item.choice.ar_error) for item in prepared.items]
         prepared.bucket_info = {
-            "buckets": {i: {"resolution": list(reso), "count": len(members)}
-                        for i, (reso, members) in enumerate(prepared.buckets)},
+            "buckets": {resos.index(reso): {"resolution": list(reso), "count": len(members)}
+                        for reso, members in prepared.buckets},
             "mean_img_ar_error": sum(errors_abs) / len(errors_abs) if errors_abs else 0,
         }
 

@@ -168,9 +168,10 @@ def test_bucket_info_and_metadata_without_config(tmp_path, make_folder):
     meta = build_train_data(config, seed=0).metadata()
     # candidates at 128x128: (64,192) (64,256) (128,128) (192,64) (256,64); a 128x64 image (aspect 2) is as far
     # from 128x128 (aspect 1) as from 192x64 (aspect 3): the first candidate wins. Reg 64x64 image: error 0.
-    # 2 train images x 2 repeats + the reg image balanced to 4 repeats = 8.
+    # 2 train images x 2 repeats + the reg image balanced to 4 repeats = 8. sd-scripts numbers a bucket by its place
+    # among all sorted candidates: 128x128 is the third.
     info = json.loads(meta["ss_bucket_info"])
-    assert info == {"buckets": {"0": {"resolution": [128, 128], "count": 8}}, "mean_img_ar_error": 2 / 3}
+    assert info == {"buckets": {"2": {"resolution": [128, 128], "count": 8}}, "mean_img_ar_error": 2 / 3}
     assert meta["ss_num_train_images"] == "4" and meta["ss_num_reg_images"] == "1"
     assert meta["ss_resolution"] == "(128, 128)" and meta["ss_enable_bucket"] == "True"
     assert meta["ss_min_bucket_reso"] == "64" and meta["ss_batch_size_per_device"] == "3"
