@@ -88,7 +88,8 @@ class ModelConfig:
     clip_skip: int | None = flag(None, "use the text encoder's n-th hidden state from the end (2 is common)")
     max_token_length: int | None = flag(
         None, "caption length in tokens: 75 (default), 150 or 225", choices=None)
-    lowram: bool = flag(False, "load models straight to the training device to save system RAM")
+    lowram: bool = flag(False, "accepted for sd-scripts compatibility: each model already moves to the training "
+                        "device as soon as it is loaded")
 
 
 @dataclass
@@ -203,7 +204,7 @@ class PrecisionConfig:
     gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory")
     sdpa: bool = flag(False, "use PyTorch scaled-dot-product attention (the default attention here)")
     xformers: bool = flag(False, "use xformers memory-efficient attention (needs the xformers package)")
-    mem_eff_attn: bool = flag(False, "memory-efficient attention (this trainer uses --sdpa for it)")
+    mem_eff_attn: bool = flag(False, "memory-efficient attention: served by PyTorch SDPA, as with --sdpa")
     torch_compile: bool = flag(False, "compile the UNet with torch.compile")
     dynamo_backend: str = flag("inductor", "torch.compile backend",
                                choices=("inductor", "eager", "aot_eager", "cudagraphs"))
