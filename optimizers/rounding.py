@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 _MASK_HIGH16 = -65536  # 0xFFFF0000 as a signed int32
-_QUIET_NAN_BIT = 0x400000
 _GOLDEN = -1640531535  # 0x9E3779B1 as a signed int32
 _MIX1 = 0x7FEB352D
 _MIX2 = 0x846CA68B - (1 << 32)
@@ -40,12 +39,12 @@ def round_with_bits(x: Tensor, bits: Tensor) -> Tensor:
 def round_with_bits_branchless(x: Tensor, bits: Tensor) -> Tensor:
     """Same result as ``round_with_bits`` using only integer arithmetic (vectorizes under ``torch.compile`` on CPU).
 
-    nan = (exponent == 255) & (mantissa != 0) computed as ((exponent + 1) >> 8) & ((mantissa + 0x7FFFFF) >> 23); a NaN
-    gets no random carry and its quiet bit set, so it stays NaN.
+    NaN <=> |bits of x| > 0x7F800000 <=> |bits| + 0x7FFFFF carries into the sign bit (int32 wraps), so
+    nan = ((b & 0x7FFFFFFF) + 0x7FFFFF) >> 31 & 1; a NaN gets no random carry and its quiet bit set, so it stays NaN.
     """
     b = x.view(torch.int32)
-    nan = ((((b >> 23) & 0xFF) + 1) >> 8) & (((b & 0x7FFFFF) + 0x7FFFFF) >> 23)
-    return (((b + bits * (1 - nan)) & _MASK_HIGH16) | (nan * _QUIET_NAN_BIT)).view(torch.float32)
+    nan = (((b & 0x7FFFFFFF) + 0x7FFFFF) >> 31) & 1
+    return (((b + (bits & (nan - 1))) & _MASK_HIGH16) | (nan << 22)).view(torch.float32)
 
 
 def step_seed(seed: int, step: int, index: int = 0, stream: int = 0) -> int:
