@@ -141,3 +141,23 @@ def test_help_and_config_errors_do_not_import_torch():
             "cli.build_parser().format_help(); print('torch' in sys.modules, 'diffusers' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert result.stdout.strip() == "False False"
+
+
+def test_unet_only_and_ckpt_format(tmp_path):
+    args = train_args(tmp_path, "--network_train_unet_only", "--save_model_as", "ckpt", "--max_train_steps", "1")
+    assert train_network.main(args) == 0
+    state = torch.load(tmp_path / "lora.ckpt", weights_only=True)
+    modules = {key.split(".")[0] for key in state}
+    assert len(modules) == 192 and all(m.startswith("lora_unet_") for m in modules)
+
+
+def test_epoch_saves_and_pruning(tmp_path):
+    # 8 images x 10 repeats / batch 16 = 5 steps per epoch; 4 epochs, a save every epoch, keep the last 2.
+    args = train_args(tmp_path, "--train_batch_size", "16", "--max_train_epochs", "4", "--save_every_n_epochs", "1",
+                      "--save_last_n_epochs", "2")
+    assert train_network.main(args) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    # epochs 1..3 are saved by the epoch rule (the last epoch is the final file); 1 is pruned after 3
+    assert names == ["lora-000002.safetensors", "lora-000003.safetensors", "lora.safetensors"]
+    with safe_open(str(tmp_path / "lora-000002.safetensors"), "pt") as f:
+        assert f.metadata()["ss_epoch"] == "2" and f.metadata()["ss_steps"] == "10"
