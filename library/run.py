@@ -89,7 +89,7 @@ def run(cfg: TrainConfig) -> RunResult:
         started=started)
     saver = Saver(out_dir, name, cfg.save.save_model_as, stages.save_dtype(cfg.save), cfg.save.save_last_n_epochs,
                   cfg.save.save_last_n_steps, cfg.save.save_state)
-    tracker = Tracker(cfg.log)
+    tracker = Tracker(cfg.log, asdict(cfg))
     params = [p for g in groups for p in g["params"]]
     updater = Updater(params, optimizer, scheduler, accumulation, plan.gradient_accumulation_steps,
                       cfg.optimizer.max_grad_norm, cfg.precision.max_nan_steps,
