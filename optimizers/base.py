@@ -101,5 +101,25 @@ class SROptimizer(Optimizer):
         else:
             target.copy_(value)
 
+    def _working_copies(self, param: Tensor) -> tuple[dict[str, Any], Tensor, Tensor, Tensor, Tensor]:
+        """Count the step; return the state and fp32 copies of the parameter, its gradient and both moments."""
+        state = self.state[param]
+        if not state:
+            self._init_state(param, state)
+        state["step"] += 1
+        theta = param.detach().to(torch.float32, copy=True)
+        grad = param.grad.detach().to(torch.float32, copy=True)
+        m = state["ema"].to(torch.float32, copy=True)
+        v = state["ema_squared"].to(torch.float32, copy=True)
+        return state, theta, grad, m, v
+
+    def _write_back(self, param: Tensor, group: dict[str, Any], state: dict[str, Any], theta: Tensor, m: Tensor,
+                    v: Tensor) -> None:
+        """The single write-back of a step: both moments, then the parameter, from one per-step generator."""
+        generator = self._generator(param, group, state["step"], 0)
+        self._write(state["ema"], m, group, generator)
+        self._write(state["ema_squared"], v, group, generator)
+        self._write(param.data, theta, group, generator)
+
     def _step_one(self, param: Tensor, group: dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _step_one")

@@ -20,7 +20,6 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from optimizers.base import SROptimizer, centralize, check_betas
@@ -69,19 +68,9 @@ class Compass(SROptimizer):
         super().__init__(params, defaults)
 
     def _step_one(self, param: Tensor, group: dict[str, Any]) -> None:
-        state = self.state[param]
-        if not state:
-            self._init_state(param, state)
-        state["step"] += 1
-        theta = param.detach().to(torch.float32, copy=True)
-        m = state["ema"].to(torch.float32, copy=True)
-        v = state["ema_squared"].to(torch.float32, copy=True)
-        grad = param.grad.detach().to(torch.float32, copy=True)
+        state, theta, grad, m, v = self._working_copies(param)
         compass_math(
             theta, grad, m, v, state["step"], group["lr"], group["betas"], group["amp_fac"], group["eps"],
             group["weight_decay"], group["centralization"],
         )
-        generator = self._generator(param, group, state["step"], 0)
-        self._write(state["ema"], m, group, generator)
-        self._write(state["ema_squared"], v, group, generator)
-        self._write(param.data, theta, group, generator)
+        self._write_back(param, group, state, theta, m, v)
