@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from library import stages
+from library.accumulation import build_accumulation
 from library.checkpoint import Saver, make_save_hooks, read_state
 from library.config import TrainConfig, validate
 from library.data import build_train_data
@@ -71,7 +72,9 @@ def run(cfg: TrainConfig) -> RunResult:
     for warning in stages.optimizer_warnings(choice, groups, cfg.schedule, cfg.precision.full_bf16, plan):
         log.warning(warning)
     log.info(policy.describe(stages.optimizer_state_label(choice, policy)))
-    accumulation = stages.build_accumulation(network, cfg.schedule, cfg.precision, policy)
+    accumulation = build_accumulation(network, steps=cfg.schedule.gradient_accumulation_steps,
+                                      network_dtype=policy.network_dtype,
+                                      mode=cfg.precision.full_bf16_grad_accumulation)
     noise_generator = torch.Generator().manual_seed(seed)
     position = Position()
     if resume is not None:

@@ -17,8 +17,6 @@ from typing import Any
 import torch
 
 import optimizers
-from library.accumulation import Accumulation
-from library.accumulation import build_accumulation as make_accumulation
 from library.config import (
     DataConfig,
     ModelConfig,
@@ -44,7 +42,7 @@ class OptimizerChoice:
     """The optimizer a run uses: its registry entry (None for a dotted ``module.Class``) and checked options."""
 
     name: str
-    spec: Any
+    spec: optimizers.OptimizerSpec | None
     options: dict[str, Any]
 
     @property
@@ -173,12 +171,6 @@ def optimizer_warnings(choice: OptimizerChoice, groups: list[dict], schedule: Sc
                        plan: StepPlan) -> list[str]:
     warmup = resolve_steps(schedule.lr_warmup_steps, plan.max_train_steps)
     return optimizers.startup_warnings(choice.name, choice.options, [g["lr"] for g in groups], warmup, full_bf16)
-
-
-def build_accumulation(network, schedule: ScheduleConfig, precision: PrecisionConfig,
-                       policy: PrecisionPolicy) -> Accumulation:
-    return make_accumulation(network, steps=schedule.gradient_accumulation_steps,
-                             network_dtype=policy.network_dtype, mode=precision.full_bf16_grad_accumulation)
 
 
 def rounds_stochastically(choice: OptimizerChoice, policy: PrecisionPolicy) -> bool:
