@@ -55,13 +55,16 @@ ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "configs" / "sample_data" / "10_shapes"
 RESULTS = ROOT / "bench" / "results"
 STEM = "stale-gradients-2026-11-29"
-# label -> (LoRA weight dtype, registry name)
+# label -> (LoRA weight dtype, registry name, the fp32 run of the same algorithm). StochasticAdamW with weight decay 0
+# computes torch's AdamW update; Compass and SPARKLES are other algorithms, so they get fp32 runs of their own.
 RUNS = {
-    "fp32 AdamW": (torch.float32, "AdamW"),
-    "bf16 AdamW (nearest)": (torch.bfloat16, "AdamW"),
-    "bf16 StochasticAdamW": (torch.bfloat16, "StochasticAdamW"),
-    "bf16 Compass": (torch.bfloat16, "Compass"),
-    "bf16 SPARKLES": (torch.bfloat16, "SPARKLES"),
+    "fp32 AdamW": (torch.float32, "AdamW", "fp32 AdamW"),
+    "bf16 AdamW (nearest)": (torch.bfloat16, "AdamW", "fp32 AdamW"),
+    "bf16 StochasticAdamW": (torch.bfloat16, "StochasticAdamW", "fp32 AdamW"),
+    "fp32 Compass": (torch.float32, "Compass", "fp32 Compass"),
+    "bf16 Compass": (torch.bfloat16, "Compass", "fp32 Compass"),
+    "fp32 SPARKLES": (torch.float32, "SPARKLES", "fp32 SPARKLES"),
+    "bf16 SPARKLES": (torch.bfloat16, "SPARKLES", "fp32 SPARKLES"),
 }
 REFERENCE = "fp32 AdamW"
 EVAL_SEED = 1234
@@ -155,7 +158,7 @@ class UpdateMeter:
 
 
 def train(label: str, seed: int, steps: int, lr: float, warmup: int, rank: int, every: int) -> RunLog:
-    dtype, name = RUNS[label]
+    dtype, name, _ = RUNS[label]
     model = build_tiny_sd15(seed=0)
     batch = cached_batch(model)
     torch.manual_seed(seed)
@@ -212,15 +215,19 @@ def plot(logs: dict[str, dict[int, RunLog]], window: int, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (loss_ax, stale_ax) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=80)
-    for color, (label, by_seed) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], logs.items(), strict=False):
+    colors = {"AdamW": "black", "StochasticAdamW": "tab:green", "Compass": "tab:red", "SPARKLES": "tab:purple"}
+    for label, by_seed in logs.items():
+        dtype, name, _ = RUNS[label]
+        color = "tab:orange" if label == "bf16 AdamW (nearest)" else colors[name]
+        style = {"ls": "--", "lw": 1.6, "zorder": 3} if dtype == torch.float32 else {"ls": "-", "lw": 1.1}
         for index, run in enumerate(by_seed.values()):
             curve = smooth(run.loss, window)
             steps = np.arange(len(curve)) + window
-            loss_ax.plot(steps, curve, color=color, lw=1.2, alpha=0.8, label=label if index == 0 else None)
-            if label != REFERENCE:
+            loss_ax.plot(steps, curve, color=color, alpha=0.85, label=label if index == 0 else None, **style)
+            if dtype == torch.bfloat16:
                 stale_ax.plot(run.measured, run.stale["down"], color=color, lw=1.2, alpha=0.8,
                               label=label if index == 0 else None)
-    loss_ax.set_title(f"training loss, moving mean of {window} steps (one line per seed)", fontsize=9)
+    loss_ax.set_title(f"training loss, moving mean of {window} steps (one line per seed; fp32 dashed)", fontsize=9)
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("eps-prediction MSE")
     loss_ax.legend(fontsize=8)
@@ -239,30 +246,34 @@ def pct(value: float) -> str:
 
 
 def tables(logs: dict[str, dict[int, RunLog]], last: int, warmup: int) -> tuple[str, str]:
-    """Per-run table and per-optimizer summary (mean over seeds, relative to the fp32 reference)."""
+    """Per-run table and per-optimizer summary (means over seeds, relative to fp32 AdamW and to the fp32 run of the
+    same algorithm)."""
     rows = [f"| run | seed | final loss (mean of last {last}) | eval loss | stale down | stale up | lost mass down | "
             "lost mass up | s |", "|---|---|---|---|---|---|---|---|---|"]
-    summary = ["| run | final loss | vs fp32 | eval loss | vs fp32 | stale down | stale up | lost mass down | "
-               "lost mass up |", "|---|---|---|---|---|---|---|---|---|"]
-    final = {label: [statistics.fmean(r.loss[-last:]) for r in runs.values()] for label, runs in logs.items()}
-    evals = {label: [r.eval_loss for r in runs.values()] for label, runs in logs.items()}
-    ref_final, ref_eval = statistics.fmean(final[REFERENCE]), statistics.fmean(evals[REFERENCE])
+    summary = ["| run | final loss | vs fp32 AdamW | vs fp32, same algorithm (per seed: min..max) | eval loss | "
+               "vs fp32, same algorithm (per seed) | stale down | stale up | lost mass down | lost mass up |",
+               "|---|---|---|---|---|---|---|---|---|---|"]
+    final_by_seed = {label: {seed: statistics.fmean(r.loss[-last:]) for seed, r in runs.items()}
+                     for label, runs in logs.items()}
+    eval_by_seed = {label: {seed: r.eval_loss for seed, r in runs.items()} for label, runs in logs.items()}
+    final = {label: statistics.fmean(values.values()) for label, values in final_by_seed.items()}
+    evals = {label: statistics.fmean(values.values()) for label, values in eval_by_seed.items()}
+
+    def paired(by_seed: dict[str, dict[int, float]], label: str, own: str) -> str:
+        ratios = [100 * (by_seed[label][seed] / by_seed[own][seed] - 1) for seed in by_seed[label]]
+        return f"{statistics.fmean(ratios):+.2f} % ({min(ratios):+.2f}..{max(ratios):+.2f})"
+
     for label, runs in logs.items():
-        means = {}
-        for key in ("stale", "lost_mass"):
-            for role in ("down", "up"):
-                per_run = [statistics.fmean(r.after_warmup(key, role, warmup)) for r in runs.values()]
-                means[key, role] = statistics.fmean(per_run)
-        for (seed, run), loss in zip(runs.items(), final[label], strict=True):
-            cells = [statistics.fmean(run.after_warmup(key, role, warmup))
-                     for key in ("stale", "lost_mass") for role in ("down", "up")]
-            rows.append(f"| {label} | {seed} | {loss:.5f} | {run.eval_loss:.5f} | "
-                        + " | ".join(pct(c) for c in cells) + f" | {run.seconds:.0f} |")
-        loss, ev = statistics.fmean(final[label]), statistics.fmean(evals[label])
-        summary.append(f"| {label} | {loss:.5f} | {100 * (loss / ref_final - 1):+.2f} % | {ev:.5f} | "
-                       f"{100 * (ev / ref_eval - 1):+.2f} % | "
-                       + " | ".join(pct(means[key, role]) for key in ("stale", "lost_mass") for role in ("down", "up"))
-                       + " |")
+        cells = {seed: [statistics.fmean(run.after_warmup(key, role, warmup))
+                        for key in ("stale", "lost_mass") for role in ("down", "up")] for seed, run in runs.items()}
+        for seed, run in runs.items():
+            rows.append(f"| {label} | {seed} | {statistics.fmean(run.loss[-last:]):.5f} | {run.eval_loss:.5f} | "
+                        + " | ".join(pct(c) for c in cells[seed]) + f" | {run.seconds:.0f} |")
+        own = RUNS[label][2]
+        means = [statistics.fmean(column) for column in zip(*cells.values(), strict=True)]
+        summary.append(f"| {label} | {final[label]:.5f} | {100 * (final[label] / final[REFERENCE] - 1):+.2f} % | "
+                       f"{paired(final_by_seed, label, own)} | {evals[label]:.5f} | "
+                       f"{paired(eval_by_seed, label, own)} | " + " | ".join(pct(m) for m in means) + " |")
     return "\n".join(rows), "\n".join(summary)
 
 
@@ -292,8 +303,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / STEM, help="output stem (.md, .png)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if REFERENCE not in args.runs:
-        parser.error(f"--runs must include the reference {REFERENCE!r}")
+    missing = ({REFERENCE} | {RUNS[label][2] for label in args.runs}) - set(args.runs)
+    if missing:
+        parser.error(f"--runs must include the fp32 references {sorted(missing)}")
 
     logs: dict[str, dict[int, RunLog]] = {}
     for label in args.runs:
