@@ -11,9 +11,12 @@ from types import SimpleNamespace
 
 import upstream_env  # noqa: F401  (first: torchvision stub, offline, one thread)
 
+# isort: split
+
 import torch  # noqa: E402
-import train_network  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
+
+import train_network  # noqa: E402
 
 upstream_env.quiet_logging()
 FAILURES: list[str] = []

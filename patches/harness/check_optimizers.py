@@ -12,7 +12,10 @@ import sys
 
 import upstream_env  # noqa: F401  (first: torchvision stub, offline, one thread)
 
+# isort: split
+
 import torch  # noqa: E402
+
 import train_network  # noqa: E402
 from library import sr_optimizers, train_util  # noqa: E402
 
