@@ -107,7 +107,7 @@ def run(cfg: TrainConfig) -> RunResult:
     try:
         result = train_loop(
             data=data, batch_loss=batch_loss, updater=updater, plan=plan, saves=saves, tracker=tracker,
-            lr_values=stages.lr_reporter(optimizer, descriptions),
+            lr_values=stages.lr_reporter(optimizer, descriptions, choice),
             on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet), start=position)
     finally:
         tracker.close()

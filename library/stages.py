@@ -149,7 +149,12 @@ def cache_latents(data, model: SDModel, policy: PrecisionPolicy, device: torch.d
     def encode(images: torch.Tensor) -> torch.Tensor:
         return vae.encode(images.to(device, policy.vae_dtype)).latent_dist.sample().float().cpu()
 
-    vae_id = hashlib.sha1(f"{model.name}|{model.vae.dtype}".encode()).hexdigest()[:16]
+    # Identify the VAE by its weights (the first tensors are enough to tell VAEs apart) and dtype, so that a cache
+    # written with another VAE (--vae, another checkpoint, fp16 vs fp32) is rebuilt.
+    digest = hashlib.sha1(str(vae.dtype).encode())
+    for param in list(vae.parameters())[:4]:
+        digest.update(param.detach().float().cpu().numpy().tobytes())
+    vae_id = digest.hexdigest()[:16]
     data.cache_latents(encode, to_disk=cfg.cache_latents_to_disk, vae_id=vae_id, batch_size=cfg.vae_batch_size)
     vae.to("cpu")
 
@@ -207,14 +212,22 @@ def compile_unet(model: SDModel, precision: PrecisionConfig) -> None:
         model.unet = torch.compile(model.unet, backend=precision.dynamo_backend)
 
 
-def lr_reporter(optimizer, descriptions: list[str]) -> Callable[[], dict[str, float]]:
-    """The per-group learning rates to log (d·lr for learning-rate-free optimizers)."""
+def lr_reporter(optimizer, descriptions: list[str], choice: OptimizerChoice) -> Callable[[], dict[str, float]]:
+    """The per-group learning rates to log, as sd-scripts tags them: ``lr/<group>`` is the scheduled LR; for
+    learning-rate-free optimizers (D-Adaptation, Prodigy) also ``lr/d*lr/<group>``, the step size they apply."""
     from library.tracking import lr_tags
 
     tags = lr_tags(descriptions)
+    lr_free = choice.spec is not None and choice.spec.lr_free
 
     def values() -> dict[str, float]:
-        return dict(zip(tags, optimizers.effective_lrs(optimizer), strict=True))
+        effective = optimizers.effective_lrs(optimizer)
+        if not lr_free:
+            return dict(zip(tags, effective, strict=True))
+        scheduled = [group["lr"] for group in optimizer.param_groups]
+        out = dict(zip(tags, scheduled, strict=True))
+        out.update({tag.replace("lr/", "lr/d*lr/", 1): value for tag, value in zip(tags, effective, strict=True)})
+        return out
 
     return values
 

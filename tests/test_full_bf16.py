@@ -119,3 +119,17 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert whole.keys() == resumed.keys()
     for key in whole:
         torch.testing.assert_close(resumed[key], whole[key], rtol=0, atol=1e-6)
+
+
+def test_learning_rate_free_optimizers_log_d_times_lr(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logs = tmp_path / "logs"
+    args = train_args(tmp_path / "out", "--optimizer_type", "Prodigy", "--learning_rate", "1.0", "--logging_dir",
+                      str(logs), "--max_train_steps", "2")
+    assert train_network.main(args) == 0
+    events = EventAccumulator(str(next(logs.iterdir())))
+    events.Reload()
+    assert [e.value for e in events.Scalars("lr/unet")] == pytest.approx([1.0, 1.0])
+    d_lr = [e.value for e in events.Scalars("lr/d*lr/unet")]
+    assert 0 < d_lr[0] < 1e-3  # Prodigy starts from d0 = 1e-6 and grows slowly
