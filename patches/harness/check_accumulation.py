@@ -6,7 +6,6 @@ the order of train_network's loop: backward; on the sync step restore first, the
 
 from __future__ import annotations
 
-import sys
 from types import SimpleNamespace
 
 import upstream_env  # noqa: F401  (first: torchvision stub, offline, one thread)
@@ -19,22 +18,10 @@ from accelerate import Accelerator  # noqa: E402
 import train_network  # noqa: E402
 
 upstream_env.quiet_logging()
-FAILURES: list[str] = []
+check = upstream_env.check
 STEPS = 4
 
 
-def check(name: str):
-    def run(fn):
-        try:
-            detail = fn()
-        except Exception as error:  # noqa: BLE001  (report every check, then fail)
-            FAILURES.append(name)
-            print(f"FAIL {name}: {type(error).__name__}: {error}")
-        else:
-            print(f"ok   {name}" + (f" ({detail})" if detail else ""))
-        return fn
-
-    return run
 
 
 def parse(*argv: str):
@@ -163,6 +150,4 @@ def _():
     return f"SR mean {sr:.4f}, round-to-nearest {nearest:.4f}, exact 1.255"
 
 
-if FAILURES:
-    print(f"{len(FAILURES)} accumulation check(s) failed")
-    sys.exit(1)
+upstream_env.finish("accumulation")

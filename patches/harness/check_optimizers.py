@@ -8,7 +8,6 @@ optimizer with stochastic rounding turned off) logs the warning and the stochast
 from __future__ import annotations
 
 import logging
-import sys
 
 import upstream_env  # noqa: F401  (first: torchvision stub, offline, one thread)
 
@@ -21,21 +20,9 @@ from library import sr_optimizers, train_util  # noqa: E402
 
 upstream_env.quiet_logging()
 
-FAILURES: list[str] = []
+check = upstream_env.check
 
 
-def check(name: str):
-    def run(fn):
-        try:
-            detail = fn()
-        except Exception as error:  # noqa: BLE001  (report every check, then fail)
-            FAILURES.append(name)
-            print(f"FAIL {name}: {type(error).__name__}: {error}")
-        else:
-            print(f"ok   {name}" + (f" ({detail})" if detail else ""))
-        return fn
-
-    return run
 
 
 class Records(logging.Handler):
@@ -150,6 +137,4 @@ def _():
     assert not warnings, warnings
 
 
-if FAILURES:
-    print(f"{len(FAILURES)} optimizer check(s) failed")
-    sys.exit(1)
+upstream_env.finish("optimizer")

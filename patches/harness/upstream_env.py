@@ -57,3 +57,29 @@ def quiet_logging() -> None:
 
     root = logging.getLogger()
     root.handlers = [logging.NullHandler()]
+
+
+FAILURES: list[str] = []
+
+
+def check(name: str):
+    """Decorator: run the check now, print ``ok``/``FAIL`` with its detail, and remember failures (never raise)."""
+
+    def run(fn):
+        try:
+            detail = fn()
+        except Exception as error:  # noqa: BLE001  (report every check, then fail)
+            FAILURES.append(name)
+            print(f"FAIL {name}: {type(error).__name__}: {error}")
+        else:
+            print(f"ok   {name}" + (f" ({detail})" if detail else ""))
+        return fn
+
+    return run
+
+
+def finish(kind: str) -> None:
+    """Exit with status 1 when any check of this harness failed."""
+    if FAILURES:
+        print(f"{len(FAILURES)} {kind} check(s) failed")
+        sys.exit(1)
