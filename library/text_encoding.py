@@ -36,11 +36,6 @@ def num_chunks(max_token_length: int | None) -> int:
     return 1 if max_token_length is None else max_token_length // 75
 
 
-def encoded_length(max_token_length: int | None) -> int:
-    """Sequence length of ``encode_text``'s output: 77, 152 or 227."""
-    return 75 * num_chunks(max_token_length) + 2
-
-
 def _chunk_ids(ids: torch.Tensor, n: int, eos: int, pad: int) -> torch.Tensor:
     """One caption's ``75·n + 2`` ids -> ``n`` chunks of 77, each BOS + 75 + last id, SD2 fix-ups applied."""
     import torch

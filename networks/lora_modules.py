@@ -95,10 +95,6 @@ class LoRAModule(nn.Module):
         lx = self.lora_up(lx)
         return org_out + (lx * (self.multiplier * scale)).to(org_out.dtype)
 
-    def delta_weight(self) -> torch.Tensor:
-        """``multiplier * scale * up @ down`` in float32, shaped like the original weight."""
-        return self.multiplier * self.scale * lora_product(self.lora_up.weight.float(), self.lora_down.weight.float())
-
 
 def lora_product(up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """``up @ down`` for Linear [out,r]x[r,in], 1x1 conv, or kxk conv (down [r,in,k,k], up [out,r,1,1])."""
