@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optimizers.base import SROptimizer, centralize, check_betas
+from optimizers.base import SROptimizer, centralize, check_betas, run_closure
 
 
 def adamw_math(
@@ -86,10 +86,7 @@ class StochasticAdamW(SROptimizer):
 
         if self._flat is None:
             self._flat = FlatAdamW(self, required=self.compiled is True)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             if not self._flat.step_group(group):
                 if self.compiled and not self._warned_eager:

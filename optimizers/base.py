@@ -41,6 +41,14 @@ def centralize(grad: Tensor, strength: float) -> Tensor:
     return grad - strength * grad.mean(dim=dims, keepdim=True)
 
 
+def run_closure(closure: Callable[[], Any] | None) -> Any:
+    """``Optimizer.step``'s closure convention: re-evaluate the loss with gradients enabled, or return None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class SROptimizer(Optimizer):
     """Base class: per-parameter fp32 update, one write-back per tensor, SR for bf16, ``step_parameter``."""
 
@@ -67,10 +75,7 @@ class SROptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optimizers.base import SROptimizer, centralize, check_betas
+from optimizers.base import SROptimizer, centralize, check_betas, run_closure
 from optimizers.rounding import copy_stochastic_
 
 STRATEGIES = ("global", "magnitude", "local", "adaptive")
@@ -166,10 +166,7 @@ class SPARKLES(SROptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Two passes with one batched read of the kick flags between them (decision (d))."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         pending = [
             (param, group, *self._first_pass(param, group))
             for group in self.param_groups for param in group["params"] if param.grad is not None

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from optimizers.base import run_closure
 from optimizers.rounding import copy_stochastic_, seeded_generator, step_seed
 from optimizers.spec import OptimizerConfigError
 
@@ -74,10 +75,7 @@ class StochasticRoundingWrapper(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Widen, step the wrapped optimizer, write back with SR, release the shadows."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self.sr_step += 1
         for param, shadow in self._shadows:
             if shadow is not param:
