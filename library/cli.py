@@ -1,21 +1,28 @@
 """Command line and ``--config_file`` handling with sd-scripts' flag names.
 
-The flags are generated from the config dataclasses (``library/config.py``), one argparse group per
-section, so a flag's name, default, type and help exist in one place. Precedence is sd-scripts':
-explicit command-line flag > ``--config_file`` TOML > default. Unlike sd-scripts, an unknown TOML key
-or flag is an error with a suggestion instead of being ignored, and TOML values are type-checked.
+The flags are generated from the config dataclasses (``library/config/``), one argparse group per section, so a
+flag's name, default, type and help exist in one place. Precedence is sd-scripts': explicit command-line flag >
+``--config_file`` TOML > default. TOML values take the forms sd-scripts takes (it passes them through untouched):
+lists for ``nargs`` flags (a single value is one item), ``0``/``1`` for booleans, integers for floats, integral
+floats for integers. Unlike sd-scripts, an unknown TOML key or flag is an error with a suggestion instead of being
+ignored, and a value of the wrong type is an error naming the file, table and key; the keys that the kohya_ss GUI
+writes without sd-scripts using them are accepted with an info line (``library/config/gui.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from library.config import SECTION_CLASSES, TrainConfig, all_fields, from_namespace
+from library.config import SECTION_CLASSES, TrainConfig, all_fields, field_default, from_namespace
+from library.config.gui import GUI_ONLY_KEYS, other_family
 from library.errors import UserError, did_you_mean
+
+log = logging.getLogger(__name__)
 
 # Flags sd-scripts still accepts under an old name; the value is the current flag.
 LEGACY_FLAGS = {"caption_extention": "caption_extension"}
@@ -39,15 +46,18 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{message} (run `python {PROG} --help` for usage)")
 
 
-def _kind(f: dataclasses.Field) -> str:
-    """The value kind of a field from its annotation: bool, list, int, float or str."""
+def _kind(f: dataclasses.Field) -> tuple[str, str | None]:
+    """The value kind of a field from its annotation: ("bool"|"int"|"float"|"str", None) or ("list", element)."""
     t = str(f.type).replace(" ", "")
     if t == "bool":
-        return "bool"
+        return "bool", None
     if t.startswith("list["):
-        return "list"
+        return "list", t[5:-1]
     first = t.split("|")[0]
-    return first if first in ("int", "float") else "str"
+    return (first if first in ("int", "float") else "str"), None
+
+
+_CONVERT = {"int": int, "float": float, "str": str}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,16 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
         group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
         for f in dataclasses.fields(cls):
             meta = f.metadata
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            help_text = f"{meta['help']} (default: {default})".replace("%", "%%")
-            kind = _kind(f)
+            help_text = f"{meta['help']} (default: {field_default(f)})".replace("%", "%%")
+            kind, element = _kind(f)
             kwargs: dict[str, Any] = {"help": help_text}
             if kind == "bool":
                 kwargs["action"] = "store_true"
             elif kind == "list":
                 kwargs["nargs"] = "*"
+                kwargs["type"] = _CONVERT.get(element or "str", str)
             else:
-                kwargs["type"] = meta["parse"] or {"int": int, "float": float}.get(kind, str)
+                kwargs["type"] = meta["parse"] or _CONVERT[kind]
                 if meta["choices"]:
                     kwargs["choices"] = meta["choices"]
             names = [f"--{f.name}"] + [f"--{old}" for old, new in LEGACY_FLAGS.items() if new == f.name]
@@ -78,48 +88,81 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_EXPECTED = {"list": "a list", "int": "an integer", "float": "a number", "bool": "true or false (or 1 / 0)",
+             "str": "a string"}
+
+
+def _scalar(value: Any, kind: str) -> tuple[bool, Any]:
+    """(ok, converted) for one TOML value of a scalar kind, in the forms sd-scripts' parser lets through."""
+    if kind == "bool":
+        if isinstance(value, bool):
+            return True, value
+        if isinstance(value, int) and value in (0, 1):
+            return True, bool(value)
+        return False, None
+    if isinstance(value, bool):
+        return False, None
+    if kind == "int":
+        if isinstance(value, int):
+            return True, value
+        if isinstance(value, float) and value.is_integer():
+            return True, int(value)
+        return False, None
+    if kind == "float":
+        return (True, float(value)) if isinstance(value, (int, float)) else (False, None)
+    return (True, value) if isinstance(value, str) else (False, None)
+
+
 def _check_toml_value(name: str, value: Any, f: dataclasses.Field, where: str) -> Any:
     """Type-check (and parse) one TOML value the way the matching flag would."""
-    kind, parse = _kind(f), f.metadata["parse"]
+    kind, element = _kind(f)
+    parse = f.metadata["parse"]
     if value is None:
         return None
     if parse is not None:
         return parse(value)
-    ok = {
-        "bool": isinstance(value, bool),
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "str": isinstance(value, str),
-        "list": isinstance(value, list) and all(isinstance(v, str) for v in value),
-    }[kind]
+    if kind == "list":
+        items = value if isinstance(value, list) else [value]
+        converted = [_scalar(item, element or "str") for item in items]
+        if not all(ok for ok, _ in converted):
+            noun = {"float": "numbers", "int": "integers"}.get(element or "str", "strings")
+            raise UserError(f"{where}: {name} = {value!r}: expected a list of {noun}")
+        return [v for _, v in converted]
+    ok, converted = _scalar(value, kind)
     if not ok:
-        expected = {"list": "a list of strings", "int": "an integer", "float": "a number",
-                    "bool": "true or false", "str": "a string"}[kind]
-        raise UserError(f"{where}: {name} = {value!r}: expected {expected}")
+        raise UserError(f"{where}: {name} = {value!r}: expected {_EXPECTED[kind]}")
     choices = f.metadata["choices"]
-    if choices and value not in choices:
-        raise UserError(f"{where}: {name} = {value!r}: expected one of {', '.join(choices)}")
-    return float(value) if kind == "float" else value
+    if choices and converted not in choices:
+        raise UserError(f"{where}: {name} = {value!r}: expected one of {', '.join(map(str, choices))}")
+    return converted
+
+
+def _read_toml(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        raise UserError(f"--config_file {file}: file not found")
+    try:
+        return tomllib.loads(file.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{file}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{file}: not UTF-8 text; save the file as UTF-8") from None
 
 
 def read_config_file(path: str) -> dict[str, Any]:
     """Read a training-arguments TOML as sd-scripts does (all tables flattened), but strictly.
 
-    Unknown keys, keys given in two tables and values of the wrong type are errors that name the
-    file, the table and the key; all of them are reported at once.
+    Unknown keys, keys given in two tables and values of the wrong type are errors that name the file, the table
+    and the key; all of them are reported at once. Keys the kohya_ss GUI writes for nothing are accepted with an
+    info line.
     """
     file = Path(path if path.endswith(".toml") else path + ".toml")
-    if not file.is_file():
-        raise UserError(f"--config_file {file}: file not found")
-    try:
-        data = tomllib.loads(file.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{file}: not valid TOML: {exc}") from None
+    data = _read_toml(file)
     fields = all_fields()
     known = list(fields) + list(LEGACY_FLAGS) + list(LEGACY_OPTIMIZER_FLAGS)
     values: dict[str, Any] = {}
     seen_in: dict[str, str] = {}
     problems: list[str] = []
+    gui_fields: list[str] = []
 
     def visit(table: dict[str, Any], where: str) -> None:
         for key, value in table.items():
@@ -128,8 +171,14 @@ def read_config_file(path: str) -> dict[str, Any]:
                 continue
             loc = f"{file}: [{where}]" if where else f"{file}:"
             name = LEGACY_FLAGS.get(key, key)
-            if name not in fields and name not in LEGACY_OPTIMIZER_FLAGS:
-                problems.append(f'{loc} unknown key "{key}"{did_you_mean(key, known)}')
+            if name in GUI_ONLY_KEYS:
+                gui_fields.append(key)
+            elif name not in fields and name not in LEGACY_OPTIMIZER_FLAGS:
+                family = other_family(key)
+                if family is not None:
+                    problems.append(f'{loc} "{key}" is an option for {family}; {PROG} trains SD 1.x/2.x LoRAs')
+                else:
+                    problems.append(f'{loc} unknown key "{key}"{did_you_mean(key, known)}')
             elif name in seen_in:
                 problems.append(f'{loc} key "{key}" is also set in [{seen_in[name]}]; keep one')
             elif name in LEGACY_OPTIMIZER_FLAGS:
@@ -145,14 +194,14 @@ def read_config_file(path: str) -> dict[str, Any]:
     visit(data, "")
     if problems:
         raise UserError(*problems)
+    if gui_fields:
+        log.info("%s: %s: kohya_ss GUI field(s) with no effect on training (sd-scripts ignores them too): %s",
+                 file, ", ".join(gui_fields), "; ".join(f"{k}: {GUI_ONLY_KEYS[k]}" for k in gui_fields))
     return values
 
 
 def _defaults() -> dict[str, Any]:
-    out = {}
-    for name, (_, f) in all_fields().items():
-        out[name] = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    return out
+    return {name: field_default(f) for name, (_, f) in all_fields().items()}
 
 
 def _apply_legacy_optimizer(values: dict[str, Any]) -> None:
@@ -165,6 +214,10 @@ def _apply_legacy_optimizer(values: dict[str, Any]) -> None:
     values["optimizer_type"] = LEGACY_OPTIMIZER_FLAGS[chosen[0]]
 
 
+# Never written by --output_config (sd-scripts leaves these out too): secrets and the config switches themselves.
+_NOT_WRITTEN = {"config_file", "output_config", "wandb_api_key"}
+
+
 def write_config_file(path: str, explicit: dict[str, Any]) -> Path:
     """``--output_config``: write the explicitly given arguments to a TOML; never overwrite."""
     import toml
@@ -172,8 +225,8 @@ def write_config_file(path: str, explicit: dict[str, Any]) -> Path:
     file = Path(path if path.endswith(".toml") else path + ".toml")
     if file.exists():
         raise UserError(f"--output_config: {file} exists; choose another --config_file path or remove it")
-    skip = {"config_file", "output_config"}
-    body = {k: list(v) if isinstance(v, tuple) else v for k, v in explicit.items() if k not in skip and v is not None}
+    body = {k: list(v) if isinstance(v, tuple) else v for k, v in explicit.items()
+            if k not in _NOT_WRITTEN and v is not None}
     file.write_text(toml.dumps(body), encoding="utf-8")
     return file
 

@@ -69,7 +69,7 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, *, dataset_meta: dict[st
         "ss_training_started_at": _s(started),
         "ss_output_name": _s(cfg.save.output_name),
         "ss_learning_rate": _s(o.learning_rate),
-        "ss_text_encoder_lr": _s(o.text_encoder_lr),
+        "ss_text_encoder_lr": _s(o.text_encoder_lr or None),
         "ss_unet_lr": _s(o.unet_lr),
         "ss_num_train_images": _s(num_train_images),
         "ss_num_validation_images": "0",

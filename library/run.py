@@ -65,8 +65,7 @@ def run(cfg: TrainConfig) -> RunResult:
     network, train_te = stages.build_network(cfg.network, model, policy, device)
     if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
         stages.cache_latents(data, model, policy, device, cfg.data)
-    groups, descriptions = network.prepare_optimizer_params(
-        cfg.optimizer.text_encoder_lr, cfg.optimizer.unet_lr, cfg.optimizer.learning_rate)
+    groups, descriptions = stages.param_groups(network, cfg.optimizer)
     optimizer = stages.build_optimizer(choice, groups, cfg.optimizer.learning_rate)
     scheduler = stages.build_scheduler(optimizer, cfg.schedule, choice, plan, cfg.optimizer.learning_rate)
     for warning in stages.optimizer_warnings(choice, groups, cfg.schedule, cfg.precision.full_bf16, plan):

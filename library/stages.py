@@ -136,6 +136,20 @@ def parse_network_args(items: list[str]) -> dict[str, str]:
     return kwargs
 
 
+def param_groups(network, cfg: OptimizerConfig) -> tuple[list[dict], list[str]]:
+    """The network's optimizer parameter groups and their names. As sd-scripts' ``train_network.py``: a network
+    with ``prepare_optimizer_params_with_multiple_te_lrs`` gets every ``--text_encoder_lr`` value (one per text
+    encoder), any other network the first one."""
+    te_lrs = list(cfg.text_encoder_lr)
+    if hasattr(network, "prepare_optimizer_params_with_multiple_te_lrs"):
+        result = network.prepare_optimizer_params_with_multiple_te_lrs(te_lrs, cfg.unet_lr, cfg.learning_rate)
+    else:
+        result = network.prepare_optimizer_params(te_lrs[0] if te_lrs else None, cfg.unet_lr, cfg.learning_rate)
+    if isinstance(result, tuple):
+        return result
+    return result, [f"group{i}" for i in range(len(result))]
+
+
 def network_meta(cfg: NetworkConfig) -> dict[str, str]:
     return network_metadata(cfg.network_module, cfg.network_dim, cfg.network_alpha if cfg.network_alpha is not None
                             else 1, cfg.network_dropout, parse_network_args(cfg.network_args))
@@ -208,7 +222,9 @@ def save_dtype(cfg: SaveConfig) -> torch.dtype | None:
 
 def compile_unet(model: SDModel, precision: PrecisionConfig) -> None:
     """``--torch_compile``: compile the UNet; a failure to compile raises at the first step, never runs eager."""
-    if precision.torch_compile:
+    if precision.torch_compile and precision.dynamo_backend == "no":
+        log.info("--torch_compile with --dynamo_backend no: the UNet is not compiled (as in sd-scripts)")
+    elif precision.torch_compile:
         model.unet = torch.compile(model.unet, backend=precision.dynamo_backend)
 
 

@@ -74,12 +74,13 @@ def test_config_file_unknown_keys_all_reported_with_location(tmp_path):
 
 def test_config_file_type_errors(tmp_path):
     toml = tmp_path / "args.toml"
-    toml.write_text('network_dim = "eight"\nshuffle_caption = 1\n')
+    toml.write_text('network_dim = "eight"\nshuffle_caption = 2\nlearning_rate = 0.5e\n'.replace("0.5e", "'x'"))
     with pytest.raises(UserError) as info:
         parse_args(["--config_file", str(toml)])
     text = _messages(info)
     assert "network_dim = 'eight': expected an integer" in text
-    assert "shuffle_caption = 1: expected true or false" in text
+    assert "shuffle_caption = 2: expected true or false (or 1 / 0)" in text
+    assert "learning_rate = 'x': expected a number" in text
 
 
 def test_config_file_duplicate_key(tmp_path):

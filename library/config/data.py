@@ -1,0 +1,69 @@
+"""Where images and captions come from and how they are transformed (sd-scripts' dataset flags).
+
+These are also the command-line fallbacks of ``--dataset_config`` keys (``library/dataset_config.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from library.config.fields import flag, parse_float_pair, parse_resolution
+
+
+@dataclass
+class DataConfig:
+    """Where images and captions come from and how they are transformed (sd-scripts dataset flags)."""
+
+    train_data_dir: str | None = flag(None, "parent folder of <repeats>_<name> image folders")
+    reg_data_dir: str | None = flag(None, "parent folder of regularization image folders")
+    dataset_config: str | None = flag(None, "dataset TOML/JSON in sd-scripts' schema (overrides CLI dataset flags)")
+    in_json: str | None = flag(None, "fine-tuning metadata JSON (captions/tags per image)")
+    dataset_repeats: int = flag(1, "repeats for --in_json datasets")
+    resolution: tuple[int, int] | None = flag(None, 'training resolution: "512" or "WIDTH,HEIGHT"',
+                                              parse=parse_resolution)
+    train_batch_size: int = flag(1, "images per batch")
+    enable_bucket: bool = flag(False, "aspect-ratio bucketing")
+    min_bucket_reso: int = flag(256, "smallest bucket side in pixels")
+    max_bucket_reso: int = flag(1024, "largest bucket side in pixels")
+    bucket_reso_steps: int = flag(64, "bucket side step in pixels (a multiple of 64 for SD1/2)")
+    bucket_no_upscale: bool = flag(False, "never upscale images to fill a bucket")
+    resize_interpolation: str | None = flag(
+        None, "resize filter (default: area when shrinking, lanczos when enlarging)",
+        choices=("lanczos", "nearest", "bilinear", "linear", "bicubic", "cubic", "area"))
+    caption_extension: str = flag(".caption", "caption file extension (most datasets use .txt)")
+    shuffle_caption: bool = flag(False, "shuffle the separated tags of each caption")
+    caption_separator: str = flag(",", "tag separator in captions")
+    keep_tokens: int = flag(0, "keep the first N tags in place when shuffling")
+    keep_tokens_separator: str = flag("", "separator marking the fixed prefix (and suffix), e.g. |||")
+    secondary_separator: str | None = flag(None, "separator grouping tags that move together")
+    enable_wildcard: bool = flag(False, "expand {a|b} wildcards and pick one line of multi-line captions")
+    caption_prefix: str | None = flag(None, "text put before every caption")
+    caption_suffix: str | None = flag(None, "text put after every caption")
+    caption_dropout_rate: float = flag(0.0, "probability of dropping a whole caption")
+    caption_dropout_every_n_epochs: int = flag(0, "drop all captions every N epochs")
+    caption_tag_dropout_rate: float = flag(0.0, "probability of dropping each (non-kept) tag")
+    token_warmup_min: int = flag(1, "tags used at the start of the token warm-up")
+    token_warmup_step: float = flag(0.0, "steps of the token warm-up (below 1: fraction of all steps)")
+    color_aug: bool = flag(False, "random hue/gamma augmentation (prevents latent caching)")
+    flip_aug: bool = flag(False, "random horizontal flips")
+    random_crop: bool = flag(False, "random instead of center crop (prevents latent caching)")
+    face_crop_aug_range: tuple[float, float] | None = flag(None, 'face-centred crop scale range "a,b"',
+                                                           parse=parse_float_pair)
+    prior_loss_weight: float = flag(1.0, "loss weight of regularization images")
+    max_data_loader_n_workers: int = flag(8, "data loader worker processes (capped at the CPU count)")
+    persistent_data_loader_workers: bool = flag(False, "keep data loader workers alive between epochs")
+    skip_broken_images: bool = flag(False, "skip images that fail to decode (default: stop and name the file)")
+    cache_latents: bool = flag(False, "encode every image with the VAE once and keep the latents in RAM")
+    cache_latents_to_disk: bool = flag(False, "cache latents in <image>_<W>x<H>_sd.npz (implies --cache_latents)")
+    vae_batch_size: int = flag(1, "VAE batch size when caching latents")
+    skip_cache_check: bool = flag(False, "trust existing latent cache files without opening them (their names must "
+                                  "still match)")
+    cache_info: bool = flag(False, "cache captions and image sizes of each image folder in metadata_cache.json")
+    alpha_mask: bool = flag(False, "use each image's alpha channel as the loss mask (with --masked_loss)")
+    conditioning_data_dir: str | None = flag(
+        None, "folder of mask images (same names as the training images) for --masked_loss")
+    validation_split: float = flag(0.0, "fraction of the training images held out for the validation loss")
+    validation_seed: int | None = flag(None, "seed of the validation split (default: --seed)")
+    dataset_class: str | None = flag(None, "a custom dataset class package.module.Class")
+    debug_dataset: bool = flag(False, "print what the dataset yields (captions, buckets, image sizes) and exit "
+                               "without training")

@@ -1,0 +1,43 @@
+"""Keys that the kohya_ss GUI (bmaltais/kohya_ss ``kohya_gui/lora_gui.py``) writes into the ``--config_file`` TOML
+although sd-scripts' ``train_network.py`` has no such flag. sd-scripts ignores every unknown key silently; here a
+GUI key is accepted with one info line, and any other unknown key stays an error with a did-you-mean.
+"""
+
+from __future__ import annotations
+
+# GUI fields that never change training: the GUI also writes the flags that do.
+GUI_ONLY_KEYS: dict[str, str] = {
+    "epoch": "the GUI's epoch box; the GUI also writes max_train_epochs, which is what sets the run length",
+    "noise_offset_type": "the GUI's noise menu; noise_offset / multires_noise_iterations are what set the noise",
+    "stop_text_encoder_training": "an option of sd-scripts' train_db.py, which train_network.py ignores too",
+    "train_inpainting": "an option of sd-scripts' inpainting trainers, which train_network.py ignores too",
+}
+
+# Keys the GUI writes only for model families that train_network.py does not train.
+OTHER_FAMILY_KEYS: dict[str, tuple[str, ...]] = {
+    "FLUX.1 (flux_train_network.py)": (
+        "ae", "apply_t5_attn_mask", "discrete_flow_shift", "double_blocks_to_swap", "guidance_scale", "mem_eff_save",
+        "model_prediction_type", "model_type", "single_blocks_to_swap", "split_mode", "t5xxl",
+        "t5xxl_max_token_length", "timestep_sampling"),
+    "SD3 (sd3_train_network.py)": (
+        "clip_g", "clip_g_dropout_rate", "clip_l", "clip_l_dropout_rate", "enable_scaled_pos_embed", "logit_mean",
+        "logit_std", "mode_scale", "pos_emb_random_crop_rate", "save_clip", "save_t5xxl", "t5_dropout_rate",
+        "t5xxl_device", "t5xxl_dtype", "text_encoder_batch_size", "weighting_scheme"),
+    "DiT models (HunyuanImage, Lumina, Anima)": (
+        "attn_mode", "blocks_to_swap", "byt5", "compile", "compile_backend", "compile_cache_size_limit",
+        "compile_dynamic", "compile_fullgraph", "compile_mode", "fp8_scaled", "fp8_vl", "gemma2",
+        "gemma2_max_token_length", "llm_adapter_path", "qwen3", "qwen3_max_token_length", "qwen_image_vae_2d",
+        "show_timesteps", "show_timesteps_resolution", "sigmoid_scale", "split_attn", "system_prompt",
+        "t5_max_token_length", "t5_tokenizer_path", "text_encoder", "text_encoder_cpu",
+        "unsloth_offload_checkpointing", "use_flash_attn", "use_sage_attn", "vae_chunk_size", "vae_disable_cache"),
+    "SDXL (sdxl_train_network.py)": (
+        "cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "disable_mmap_load_safetensors"),
+}
+
+
+def other_family(key: str) -> str | None:
+    """The model family a GUI key belongs to, when it is not one this trainer's script trains."""
+    for family, keys in OTHER_FAMILY_KEYS.items():
+        if key in keys:
+            return family
+    return None

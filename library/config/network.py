@@ -1,0 +1,23 @@
+"""``--network_module`` and its options: the LoRA (or other network) that is trained."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from library.config.fields import flag
+
+
+@dataclass
+class NetworkConfig:
+    """The LoRA (or other network module) that is trained."""
+
+    network_module: str = flag("networks.lora", "network module with create_network (networks.lora, lycoris.kohya)")
+    network_dim: int | None = flag(None, "LoRA rank (default 4)")
+    network_alpha: float | None = flag(None, "LoRA alpha; scale = alpha / rank (default 1)")
+    network_dropout: float | None = flag(None, "dropout on the LoRA down-projection outputs (neuron dropout)")
+    network_args: list[str] = flag([], 'extra network options "key=value" (conv_dim, rank_dropout, ...)')
+    network_weights: str | None = flag(None, "start from these LoRA weights")
+    dim_from_weights: bool = flag(False, "take rank and alpha from --network_weights")
+    network_train_unet_only: bool = flag(False, "train only the UNet LoRA modules")
+    network_train_text_encoder_only: bool = flag(False, "train only the text encoder LoRA modules")
+    scale_weight_norms: float | None = flag(None, "max-norm regularization of each LoRA module's weight")

@@ -1,0 +1,76 @@
+"""``TrainConfig``: every section of a run's configuration, and the map from flag names to fields."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from library.config.data import DataConfig
+from library.config.distributed import DistributedConfig
+from library.config.log import LogConfig
+from library.config.loss import LossConfig
+from library.config.model import ModelConfig
+from library.config.network import NetworkConfig
+from library.config.noise import NoiseConfig
+from library.config.optimizer import OptimizerConfig
+from library.config.precision import PrecisionConfig
+from library.config.run import RunConfig
+from library.config.sample import SampleConfig
+from library.config.save import SaveConfig
+from library.config.schedule import ScheduleConfig
+from library.config.unavailable import UnavailableConfig
+from library.config.validation import ValidationConfig
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; built from the CLI namespace by ``from_namespace``."""
+
+    run: RunConfig
+    model: ModelConfig
+    data: DataConfig
+    network: NetworkConfig
+    optimizer: OptimizerConfig
+    schedule: ScheduleConfig
+    precision: PrecisionConfig
+    noise: NoiseConfig
+    loss: LossConfig
+    save: SaveConfig
+    log: LogConfig
+    sample: SampleConfig
+    validation: ValidationConfig
+    distributed: DistributedConfig
+    unavailable: UnavailableConfig
+
+
+# Section name -> class, in the order of ``TrainConfig`` (and of the groups in ``--help``).
+SECTION_CLASSES: dict[str, type] = {
+    "run": RunConfig, "model": ModelConfig, "data": DataConfig, "network": NetworkConfig,
+    "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "precision": PrecisionConfig,
+    "noise": NoiseConfig, "loss": LossConfig, "save": SaveConfig, "log": LogConfig, "sample": SampleConfig,
+    "validation": ValidationConfig, "distributed": DistributedConfig, "unavailable": UnavailableConfig,
+}
+
+
+def all_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Map every flag name to (section name, dataclass field)."""
+    out: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section, cls in SECTION_CLASSES.items():
+        for f in dataclasses.fields(cls):
+            out[f.name] = (section, f)
+    return out
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    """The default value of a config field (mutable defaults freshly made)."""
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def from_namespace(values: dict[str, Any]) -> TrainConfig:
+    """Build the typed config from parsed flag values (a dict keyed by flag name)."""
+    sections = {
+        name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+        for name, cls in SECTION_CLASSES.items()
+    }
+    return TrainConfig(**sections)
