@@ -25,7 +25,7 @@ import torch
 from library.config import SaveConfig
 from library.errors import UserError
 from library.metadata import at_save
-from library.train import Position, SaveHooks
+from library.position import Position, SaveHooks
 
 
 @dataclass
@@ -110,3 +110,7 @@ def read_state(folder: str) -> tuple[dict[str, Any], dict[str, Any]]:
                         "written by --save_state)")
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     return state, json.loads((path / "train_state.json").read_text())
+
+
+def save_dtype(cfg: SaveConfig) -> torch.dtype | None:
+    return {None: None, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.save_precision]

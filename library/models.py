@@ -5,30 +5,26 @@ single ``.safetensors`` / ``.ckpt`` file, as ``library/model_util.py`` ``load_mo
 does) plus ``builtin:tiny-sd15``, the tiny model of ``library.tiny_model``. Hub ids are refused: nothing is
 downloaded. The configs a single file needs are bundled in ``library/assets/configs/``, the CLIP tokenizer in
 ``library/assets/clip_tokenizer`` (pad ``<|endoftext|>`` for SD1.x; SD2.x overrides pad with ``!``).
-
-The noise scheduler is built like sd-scripts' ``train_network.py`` builds it (DDPM, beta 0.00085 → 0.012,
-scaled_linear, 1000 steps, ``clip_sample=False``) whatever the checkpoint's own scheduler says; its
-``prediction_type`` follows ``--v_parameterization``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from library import single_file
 from library.errors import UserError
+from library.model_parts import (
+    SDModel,
+    assemble,
+    build_from_config,
+    build_noise_scheduler,
+    check_v2_flag,
+    config_dir,
+    force_offline,
+    freeze,
+    seeded,
+)
 
-if TYPE_CHECKING:
-    import torch
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
-
-ASSETS = Path(__file__).resolve().parent / "assets"
-CONFIGS = ASSETS / "configs"
 BUILTIN_TINY = "builtin:tiny-sd15"
 # Built-in models: name -> bundled config. ``sd15-random`` is the real SD1.5 architecture with random weights,
 # for memory and speed measurements at real scale without a download.
@@ -38,115 +34,6 @@ ACCEPTED_FORMS = (
     "tokenizer/), "
     "or a single-file SD 1.x/2.x checkpoint (.safetensors, .ckpt, .pt)"
 )
-
-
-@dataclass
-class SDModel:
-    """A loaded Stable Diffusion 1.x / 2.x model: the pieces ``train_network.py`` uses."""
-
-    unet: UNet2DConditionModel
-    vae: AutoencoderKL
-    text_encoder: CLIPTextModel
-    tokenizer: CLIPTokenizer
-    noise_scheduler: DDPMScheduler
-    v2: bool
-    v_parameterization: bool
-    name: str
-
-
-def force_offline() -> None:
-    """Make huggingface_hub, transformers and diffusers refuse any network access in this process."""
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DIFFUSERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ[var] = "1"
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-
-
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Run a block with the CPU RNG seeded to ``seed``, restoring the caller's RNG state afterwards."""
-    import torch
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
-
-
-def config_dir(name: str) -> Path:
-    """The bundled config folder ``library/assets/configs/<name>`` (``sd15``, ``sd2-512``, ``sd2-768-v``, ...)."""
-    path = CONFIGS / name
-    if not path.is_dir():
-        raise FileNotFoundError(f"bundled config {path} is missing; the checkout is incomplete")
-    return path
-
-
-def load_tokenizer(v2: bool) -> CLIPTokenizer:
-    """The bundled CLIP tokenizer; SD2's pads with "!" (id 0) like stabilityai/stable-diffusion-2's tokenizer."""
-    from transformers import CLIPTokenizer
-
-    extra = {"pad_token": "!"} if v2 else {}
-    return CLIPTokenizer.from_pretrained(str(ASSETS / "clip_tokenizer"), **extra)
-
-
-def build_noise_scheduler(v_parameterization: bool) -> DDPMScheduler:
-    """sd-scripts' training scheduler: DDPM, scaled_linear 0.00085 → 0.012, 1000 steps, no sample clipping."""
-    from diffusers import DDPMScheduler
-
-    return DDPMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        num_train_timesteps=1000,
-        clip_sample=False,
-        prediction_type="v_prediction" if v_parameterization else "epsilon",
-    )
-
-
-def build_from_config(config: Path, *, empty: bool) -> tuple[UNet2DConditionModel, AutoencoderKL, CLIPTextModel]:
-    """UNet, VAE and text encoder from a diffusers-style config folder.
-
-    ``empty=True`` builds them on the meta device (no memory, no init time) to be filled with
-    ``load_state_dict(..., assign=True)``; otherwise weights are randomly initialised from torch's current RNG.
-    """
-    from accelerate import init_empty_weights
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    context = init_empty_weights() if empty else contextlib.nullcontext()
-    with context:
-        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(str(config / "unet")))
-        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(str(config / "vae")))
-        text_encoder = CLIPTextModel(CLIPTextConfig.from_json_file(str(config / "text_encoder" / "config.json")))
-    return unet, vae, text_encoder
-
-
-def _freeze(model: torch.nn.Module) -> None:
-    model.requires_grad_(False)
-    model.eval()
-
-
-def assemble(
-    unet: UNet2DConditionModel,
-    vae: AutoencoderKL,
-    text_encoder: CLIPTextModel,
-    *,
-    v2: bool,
-    v_parameterization: bool,
-    name: str,
-    tokenizer: CLIPTokenizer | None = None,
-) -> SDModel:
-    """Freeze the parts (eval, no grad) and wrap them with a tokenizer and sd-scripts' training scheduler."""
-    for part in (unet, vae, text_encoder):
-        _freeze(part)
-    return SDModel(
-        unet=unet,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer if tokenizer is not None else load_tokenizer(v2),
-        noise_scheduler=build_noise_scheduler(v_parameterization),
-        v2=v2,
-        v_parameterization=v_parameterization,
-        name=name,
-    )
 
 
 def build_builtin(name: str, seed: int = 0) -> SDModel:
@@ -180,25 +67,9 @@ def _load_diffusers_folder(path: Path, *, v2: bool, v_parameterization: bool) ->
     )
 
 
-def check_v2_flag(path: Path, *, file_is_v2: bool, v2: bool) -> None:
-    """``--v2`` must agree with the model's text encoder (OpenCLIP-H for SD2, CLIP-L for SD1)."""
-    if file_is_v2 and not v2:
-        raise UserError(
-            f"--pretrained_model_name_or_path {path} is a Stable Diffusion 2.x model (OpenCLIP-H text encoder); "
-            "add --v2 (and --v_parameterization for 768-v models such as SD 2.0-768 / 2.1)"
-        )
-    if v2 and not file_is_v2:
-        raise UserError(
-            f"--pretrained_model_name_or_path {path} is a Stable Diffusion 1.x model (CLIP-L text encoder) "
-            "but --v2 was given; remove --v2"
-        )
-
-
 def _replace_vae(model: SDModel, vae_path: str) -> None:
     """``--vae``: a diffusers VAE folder (config.json, or a pipeline folder with vae/) or a single-file VAE."""
     from diffusers import AutoencoderKL
-
-    from library import single_file
 
     path = Path(vae_path)
     if path.is_dir():
@@ -210,7 +81,7 @@ def _replace_vae(model: SDModel, vae_path: str) -> None:
         vae = single_file.load_vae_file(path, model.vae)
     else:
         raise UserError(f"--vae {path}: no such file or folder; give a diffusers VAE folder or a .safetensors VAE")
-    _freeze(vae)
+    freeze(vae)
     model.vae = vae
 
 
@@ -238,8 +109,6 @@ def load_sd_model(
 
 
 def _load_path(path: Path, *, v2: bool, v_parameterization: bool) -> SDModel:
-    from library import single_file
-
     if path.is_dir():
         if not (path / "model_index.json").is_file():
             raise UserError(

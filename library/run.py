@@ -15,18 +15,20 @@ from pathlib import Path
 
 import torch
 
-from library import stages
+from library import model_setup, network_setup, optimizer_setup
 from library.accumulation import build_accumulation
-from library.checkpoint import Saver, make_save_hooks, read_state
+from library.checkpoint import Saver, make_save_hooks, read_state, save_dtype
 from library.config import TrainConfig, validate
 from library.data import build_train_data
 from library.metadata import optimizer_description, training_metadata
 from library.noise import apply_zero_terminal_snr
+from library.position import Position
 from library.precision import optimizer_state_dtype, precision_policy
+from library.resume import restore
 from library.schedule import describe, plan_steps
 from library.step import BatchLoss
 from library.tracking import Tracker
-from library.train import LoopResult, Position, train_loop
+from library.train import LoopResult, train_loop
 from library.update import DynamicLossScale, Updater
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ def _device() -> torch.device:
 def run(cfg: TrainConfig) -> RunResult:
     """Train a LoRA as described by ``cfg``; returns the final file and the loop's figures."""
     validate(cfg)
-    choice = stages.check_optimizer(cfg.optimizer, cfg.schedule)
+    choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
     seed = cfg.run.seed if cfg.run.seed is not None else random.randint(0, 2**31 - 1)
     data = build_train_data(cfg.data, seed=seed, max_token_length=cfg.model.max_token_length)
     plan = plan_steps(len(data), batch_size=cfg.data.train_batch_size,
@@ -59,37 +61,37 @@ def run(cfg: TrainConfig) -> RunResult:
     random.seed(seed)
     device = _device()
     policy = precision_policy(cfg.precision)
-    model = stages.load_model(cfg.model, cfg.precision, policy, device)
+    model = model_setup.load_model(cfg.model, cfg.precision, policy, device)
     if cfg.noise.zero_terminal_snr:
         apply_zero_terminal_snr(model.noise_scheduler)
-    network, train_te = stages.build_network(cfg.network, model, policy, device)
+    network, train_te = network_setup.build_network(cfg.network, model, policy, device)
     if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
-        stages.cache_latents(data, model, policy, device, cfg.data)
-    groups, descriptions = stages.param_groups(network, cfg.optimizer)
-    optimizer = stages.build_optimizer(choice, groups, cfg.optimizer.learning_rate)
-    scheduler = stages.build_scheduler(optimizer, cfg.schedule, choice, plan, cfg.optimizer.learning_rate)
-    for warning in stages.optimizer_warnings(choice, groups, cfg.schedule, cfg.precision.full_bf16, plan):
+        model_setup.cache_latents(data, model, policy, device, cfg.data)
+    groups, descriptions = network_setup.param_groups(network, cfg.optimizer)
+    optimizer = optimizer_setup.build_optimizer(choice, groups, cfg.optimizer.learning_rate)
+    scheduler = optimizer_setup.build_scheduler(optimizer, cfg.schedule, choice, plan, cfg.optimizer.learning_rate)
+    for warning in optimizer_setup.optimizer_warnings(choice, groups, cfg.schedule, cfg.precision.full_bf16, plan):
         log.warning(warning)
-    log.info(policy.describe(stages.optimizer_state_label(choice, policy)))
+    log.info(policy.describe(optimizer_setup.optimizer_state_label(choice, policy)))
     accumulation = build_accumulation(network, steps=cfg.schedule.gradient_accumulation_steps,
                                       network_dtype=policy.network_dtype,
                                       mode=cfg.precision.full_bf16_grad_accumulation)
     noise_generator = torch.Generator().manual_seed(seed)
     position = Position()
     if resume is not None:
-        position = stages.restore(resume, network, optimizer, scheduler, noise_generator, plan)
+        position = restore(resume, network, optimizer, scheduler, noise_generator, plan)
 
     out_dir = Path(cfg.save.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = cfg.save.output_name or "last"
     started = time.time()
     meta = training_metadata(
-        cfg, plan, dataset_meta=data.metadata(), network_meta=stages.network_meta(cfg.network),
+        cfg, plan, dataset_meta=data.metadata(), network_meta=network_setup.network_meta(cfg.network),
         optimizer_name=optimizer_description(optimizer, choice.options),
-        stochastic_rounding=stages.rounds_stochastically(choice, policy), num_train_images=data.num_train_images,
-        num_reg_images=data.num_reg_images, resolution=cfg.data.resolution or data.datasets[0].spec.resolution,
-        started=started)
-    saver = Saver(out_dir, name, cfg.save.save_model_as, stages.save_dtype(cfg.save), cfg.save.save_last_n_epochs,
+        stochastic_rounding=optimizer_setup.rounds_stochastically(choice, policy),
+        num_train_images=data.num_train_images, num_reg_images=data.num_reg_images,
+        resolution=cfg.data.resolution or data.datasets[0].spec.resolution, started=started)
+    saver = Saver(out_dir, name, cfg.save.save_model_as, save_dtype(cfg.save), cfg.save.save_last_n_epochs,
                   cfg.save.save_last_n_steps, cfg.save.save_state)
     tracker = Tracker(cfg.log, asdict(cfg))
     params = [p for g in groups for p in g["params"]]
@@ -100,13 +102,13 @@ def run(cfg: TrainConfig) -> RunResult:
                       fused=cfg.optimizer.fused_backward_pass)
     batch_loss = BatchLoss(model, network, cfg.noise, cfg.loss, policy, device, noise_generator,
                            cfg.model.clip_skip, cfg.model.max_token_length, train_te)
-    stages.compile_unet(model, cfg.precision)
+    model_setup.compile_unet(model, cfg.precision)
     saves = make_save_hooks(saver, network, optimizer, scheduler, noise_generator, meta, cfg.save, plan.num_epochs,
                             asdict(cfg))
     try:
         result = train_loop(
             data=data, batch_loss=batch_loss, updater=updater, plan=plan, saves=saves, tracker=tracker,
-            lr_values=stages.lr_reporter(optimizer, descriptions, choice),
+            lr_values=optimizer_setup.lr_reporter(optimizer, descriptions, choice),
             on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet), start=position)
     finally:
         tracker.close()

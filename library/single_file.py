@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from library.errors import UserError
-from library.models import SDModel, assemble, build_from_config, check_v2_flag, config_dir
+from library.model_parts import SDModel, assemble, build_from_config, check_v2_flag, config_dir
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ import torch
 
 from library.config import LossConfig, NoiseConfig
 from library.loss import training_loss
-from library.models import SDModel
+from library.model_parts import SDModel
 from library.noise import noisy_latents, sample_noise, sample_timesteps, training_target
 from library.precision import PrecisionPolicy
 from library.text_encoding import encode_text, tokenize

@@ -16,7 +16,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from library.models import BUILTIN_MODELS, BUILTIN_TINY, SDModel, build_builtin, force_offline
+from library.model_parts import SDModel, force_offline
+from library.models import BUILTIN_MODELS, BUILTIN_TINY, build_builtin
 
 
 def build_tiny_sd15(seed: int = 0) -> SDModel:

@@ -18,30 +18,12 @@ import torch
 from tqdm import tqdm
 
 from library.errors import TrainingDiverged
+from library.position import Position, SaveHooks
 from library.schedule import StepPlan
 from library.tracking import LossAverage, Tracker
 from library.update import Updater
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Position:
-    """Where training stands: 0-based epoch and number of updates done."""
-
-    epoch: int = 0
-    step: int = 0
-
-
-@dataclass
-class SaveHooks:
-    """Callbacks that write files; each receives the position after the update/epoch it follows."""
-
-    every_n_steps: int | None
-    every_n_epochs: int | None
-    step_save: Callable[[Position], None]
-    epoch_save: Callable[[Position], None]
-    final_save: Callable[[Position], None]
 
 
 @dataclass

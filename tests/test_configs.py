@@ -7,7 +7,7 @@ import pytest
 from library.cli import parse_args
 from library.config import validate
 from library.data import build_train_data
-from library.stages import check_optimizer
+from library.optimizer_setup import check_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING_CONFIGS = sorted((ROOT / "configs").rglob("*.toml"))

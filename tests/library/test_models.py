@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from library.errors import UserError
-from library.models import build_from_config, config_dir, load_sd_model
+from library.model_parts import build_from_config, config_dir
+from library.models import load_sd_model
 from library.tiny_model import build_tiny_sd15
 
 torch.set_num_threads(1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from library.errors import UserError
-from library.models import load_tokenizer
+from library.model_parts import load_tokenizer
 from library.text_encoding import encode_text, tokenize
 
 torch.set_num_threads(1)

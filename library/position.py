@@ -1,0 +1,29 @@
+"""Small types shared by the training loop and the writers: where training stands, and the save callbacks.
+
+Both ``library/train.py`` (the loop) and ``library/checkpoint.py`` (the writers) import these; neither imports the
+other for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class Position:
+    """Where training stands: 0-based epoch and number of updates done."""
+
+    epoch: int = 0
+    step: int = 0
+
+
+@dataclass
+class SaveHooks:
+    """Callbacks that write files; each receives the position after the update/epoch it follows."""
+
+    every_n_steps: int | None
+    every_n_epochs: int | None
+    step_save: Callable[[Position], None]
+    epoch_save: Callable[[Position], None]
+    final_save: Callable[[Position], None]
