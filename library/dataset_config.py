@@ -13,6 +13,14 @@ Without a config file each ``<repeats>_<class tokens>`` folder of ``--train_data
 DreamBooth subset (``config_util.generate_dreambooth_subsets_config_by_subdirs``; here the folders are sorted by
 name so the order does not depend on the file system), or ``--in_json`` becomes one fine-tuning subset.
 
+Masked loss (sd-scripts' ``ConfigSanitizer(..., support_controlnet=args.masked_loss, ...)``): with ``--masked_loss``
+a dataset whose subsets all have ``conditioning_data_dir`` is a ControlNet-style dataset: its subsets take
+``image_dir`` and ``conditioning_data_dir`` (both required), not ``is_reg``, ``class_tokens`` or ``alpha_mask``.
+``alpha_mask`` is a key of DreamBooth and fine-tuning subsets. sd-scripts' ``train_network.py`` reads
+``--conditioning_data_dir`` nowhere; here it gives the masks of the ``--train_data_dir`` folders: one folder of
+masks per ``<repeats>_<name>`` folder, of the same name, under it. ``--masked_loss`` without any mask source is an
+error (sd-scripts trains unmasked without a word).
+
 This module must not import torch: configuration errors answer before any model or tensor library loads.
 """
 
@@ -108,18 +116,27 @@ SUBSET_ASCENDABLE_KEYS: dict[str, Checker] = {
 DREAMBOOTH_ASCENDABLE_KEYS: dict[str, Checker] = {"caption_extension": _str, "class_tokens": _str, "cache_info": _bool}
 DREAMBOOTH_SUBSET_KEYS: dict[str, Checker] = {"image_dir": _str, "is_reg": _bool, "alpha_mask": _bool}
 FINETUNE_SUBSET_KEYS: dict[str, Checker] = {"metadata_file": _str, "image_dir": _str, "alpha_mask": _bool}
+CONTROLNET_ASCENDABLE_KEYS: dict[str, Checker] = {"caption_extension": _str, "cache_info": _bool}
+CONTROLNET_SUBSET_KEYS: dict[str, Checker] = {"image_dir": _str, "conditioning_data_dir": _str}
 
 GENERAL_SCHEMA = {**DATASET_KEYS, **SUBSET_ASCENDABLE_KEYS, **DREAMBOOTH_ASCENDABLE_KEYS}
 DREAMBOOTH_DATASET_SCHEMA = GENERAL_SCHEMA
 FINETUNE_DATASET_SCHEMA = {**DATASET_KEYS, **SUBSET_ASCENDABLE_KEYS}
 DREAMBOOTH_SUBSET_SCHEMA = {**SUBSET_ASCENDABLE_KEYS, **DREAMBOOTH_ASCENDABLE_KEYS, **DREAMBOOTH_SUBSET_KEYS}
 FINETUNE_SUBSET_SCHEMA = {**SUBSET_ASCENDABLE_KEYS, **FINETUNE_SUBSET_KEYS}
-ALL_KEYS = {**GENERAL_SCHEMA, **DREAMBOOTH_SUBSET_KEYS, **FINETUNE_SUBSET_KEYS}
+CONTROLNET_DATASET_SCHEMA = {**DATASET_KEYS, **SUBSET_ASCENDABLE_KEYS, **CONTROLNET_ASCENDABLE_KEYS}
+CONTROLNET_SUBSET_SCHEMA = {**SUBSET_ASCENDABLE_KEYS, **CONTROLNET_ASCENDABLE_KEYS, **CONTROLNET_SUBSET_KEYS}
+SUBSET_ONLY_KEYS = {**DREAMBOOTH_SUBSET_KEYS, **FINETUNE_SUBSET_KEYS, **CONTROLNET_SUBSET_KEYS}
+ALL_KEYS = {**GENERAL_SCHEMA, **SUBSET_ONLY_KEYS}
+# What a ControlNet-style subset fixes, whatever the other levels say (sd-scripts' ControlNetSubset has no such
+# parameters and builds its images' subsets with these values).
+CONTROLNET_FIXED = {"is_reg": False, "class_tokens": None, "alpha_mask": False}
 
 
 @dataclass(frozen=True)
 class SubsetSpec:
-    """One image folder (DreamBooth) or metadata file (fine-tuning) with its resolved settings."""
+    """One image folder (DreamBooth) or metadata file (fine-tuning) with its resolved settings; with
+    ``conditioning_data_dir`` its images' loss masks are the images of the same name in that folder."""
 
     location: str
     image_dir: str | None = None
@@ -129,6 +146,7 @@ class SubsetSpec:
     caption_extension: str = ".caption"
     cache_info: bool = False
     alpha_mask: bool = False
+    conditioning_data_dir: str | None = None
     num_repeats: int = 1
     shuffle_caption: bool = False
     caption_separator: str = ","
@@ -182,10 +200,13 @@ class DatasetGroupSpec:
 
 
 def _cli_values(data: DataConfig) -> dict[str, Any]:
-    """The command-line namespace in config-key names (sd-scripts' ARGPARSE_OPTNAME_TO_CONFIG_OPTNAME)."""
+    """The command-line namespace in config-key names (sd-scripts' ARGPARSE_OPTNAME_TO_CONFIG_OPTNAME).
+
+    ``--conditioning_data_dir`` is no fallback: it names the parent of per-folder mask folders (``specs_from_cli``)."""
     values = dict(vars(data))
     values["batch_size"] = values.pop("train_batch_size")
     values["num_repeats"] = values.pop("dataset_repeats")
+    del values["conditioning_data_dir"]
     return values
 
 
@@ -219,20 +240,22 @@ class _Problems:
         self.messages.append(f"{self.source}: {where}: {text}" if where else f"{self.source}: {text}")
 
 
-def _level_hint(key: str, in_subset: bool) -> str:
-    """Say where a key that exists at another level (or for the other dataset kind) belongs."""
-    subset_only = key in DREAMBOOTH_SUBSET_KEYS or key in FINETUNE_SUBSET_KEYS
-    if subset_only and not in_subset:
+def _level_hint(key: str, in_subset: bool, kind: str) -> str:
+    """Say where a key that exists at another level (or for another dataset kind) belongs."""
+    if key in SUBSET_ONLY_KEYS and not in_subset:
         return f'"{key}" belongs in a [[datasets.subsets]] table'
     if key in DATASET_KEYS:
         return f'"{key}" is a dataset-level key; set it in [[datasets]] or [general]'
+    if kind == "controlnet":
+        return (f'"{key}" does not apply to a dataset whose subsets have conditioning_data_dir (mask images); '
+                "put such subsets in another [[datasets]]")
     if key in DREAMBOOTH_ASCENDABLE_KEYS or key in DREAMBOOTH_SUBSET_KEYS:
         return f'"{key}" is only for DreamBooth (image folder) subsets, not for a dataset with metadata_file'
     return f'"{key}" is only for fine-tuning subsets (with metadata_file)'
 
 
 def _check_table(table: Any, schema: dict[str, Checker], where: str, problems: _Problems,
-                 skip: tuple[str, ...] = ()) -> dict[str, Any]:
+                 skip: tuple[str, ...] = (), kind: str = "dreambooth") -> dict[str, Any]:
     """Type-check one table against ``schema``; returns the converted values of the valid keys."""
     out: dict[str, Any] = {}
     if not isinstance(table, dict):
@@ -244,7 +267,7 @@ def _check_table(table: Any, schema: dict[str, Checker], where: str, problems: _
         checker = schema.get(key)
         if checker is None:
             if key in ALL_KEYS:
-                problems.add(where, _level_hint(key, where.endswith("]") and ".subsets[" in where))
+                problems.add(where, _level_hint(key, where.endswith("]") and ".subsets[" in where, kind))
             else:
                 known = list(schema) + list(skip)
                 problems.add(where, f'unknown key "{key}"{did_you_mean(key, known)}')
@@ -289,8 +312,9 @@ def _check_values(spec: DatasetSpec, problems: list[str]) -> None:
         if sub.face_crop_aug_range is not None and not 0 < sub.face_crop_aug_range[0] <= sub.face_crop_aug_range[1]:
             problems.append(f"{where}: face_crop_aug_range must be two positive numbers, smaller first, "
                             f"got {list(sub.face_crop_aug_range)}")
-        if sub.alpha_mask:
-            problems.append(f"{where}: alpha_mask (masked loss) is not supported by this trainer; remove it")
+        if sub.conditioning_data_dir is not None and not Path(sub.conditioning_data_dir).is_dir():
+            problems.append(f'{where}: conditioning_data_dir "{sub.conditioning_data_dir}" is not a folder; it must '
+                            "hold one mask image per training image, with the same file names")
         if sub.image_dir is not None and not Path(sub.image_dir).is_dir():
             problems.append(f'{where}: image_dir "{sub.image_dir}" is not a folder')
         if sub.metadata_file is not None and not Path(sub.metadata_file).is_file():
@@ -320,8 +344,40 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     raise UserError(f'--dataset_config "{path}": expected a .toml or .json file')
 
 
-def parse_config(raw: dict[str, Any], source: str, data: DataConfig) -> DatasetGroupSpec:
-    """Validate a loaded dataset config and resolve every value; all problems are raised in one UserError."""
+# Per dataset kind: the dataset schema, the subset schema and the keys every subset must have.
+KINDS: dict[str, tuple[dict[str, Checker], dict[str, Checker], tuple[str, ...]]] = {
+    "dreambooth": (DREAMBOOTH_DATASET_SCHEMA, DREAMBOOTH_SUBSET_SCHEMA, ("image_dir",)),
+    "finetune": (FINETUNE_DATASET_SCHEMA, FINETUNE_SUBSET_SCHEMA, ("metadata_file",)),
+    "controlnet": (CONTROLNET_DATASET_SCHEMA, CONTROLNET_SUBSET_SCHEMA, ("image_dir", "conditioning_data_dir")),
+}
+
+
+def _dataset_kind(subsets_raw: list[dict[str, Any]], masked_loss: bool, where: str, problems: _Problems) -> str:
+    """sd-scripts' ``BlueprintGenerator``/``validate_flex_dataset`` kinds: "controlnet" when ``--masked_loss`` is on
+    and every subset has ``conditioning_data_dir``, else "finetune" when they have ``metadata_file``, else
+    "dreambooth"; mixes are reported."""
+    with_masks = [j for j, sub in enumerate(subsets_raw) if "conditioning_data_dir" in sub]
+    if with_masks and not masked_loss:
+        problems.add(where, f"conditioning_data_dir (mask images, in subsets {with_masks}) is used only with "
+                            "--masked_loss; add --masked_loss (masked_loss = true in --config_file) or remove it")
+    elif with_masks and len(with_masks) < len(subsets_raw):
+        without = [j for j in range(len(subsets_raw)) if j not in with_masks]
+        problems.add(where, f"subsets {with_masks} have conditioning_data_dir (mask images) but subsets {without} do "
+                            "not; a dataset with mask images needs them in every subset (as in sd-scripts): add "
+                            "conditioning_data_dir to the others or move them to another [[datasets]]")
+    elif with_masks:
+        return "controlnet"
+    with_metadata = ["metadata_file" in sub for sub in subsets_raw]
+    if any(with_metadata) and not all(with_metadata):
+        problems.add(where, "DreamBooth subsets (image_dir only) and fine-tuning subsets (metadata_file) cannot "
+                            "be mixed in one dataset; split them into two [[datasets]]")
+    return "finetune" if any(with_metadata) else "dreambooth"
+
+
+def parse_config(raw: dict[str, Any], source: str, data: DataConfig, masked_loss: bool = False) -> DatasetGroupSpec:
+    """Validate a loaded dataset config and resolve every value; all problems are raised in one UserError.
+
+    ``masked_loss`` (the loss section's ``--masked_loss``) admits datasets with ``conditioning_data_dir``."""
     problems = _Problems(source)
     for key in raw:
         if key not in ("general", "datasets"):
@@ -345,25 +401,25 @@ def parse_config(raw: dict[str, Any], source: str, data: DataConfig) -> DatasetG
             problems.add(where, "expected one or more [[datasets.subsets]] tables, each with image_dir or "
                                 "metadata_file")
             subsets_raw = [s for s in subsets_raw if isinstance(s, dict)] if isinstance(subsets_raw, list) else []
-        with_metadata = ["metadata_file" in s for s in subsets_raw]
-        is_dreambooth = not any(with_metadata)
-        if any(with_metadata) and not all(with_metadata):
-            problems.add(where, "DreamBooth subsets (image_dir only) and fine-tuning subsets (metadata_file) cannot "
-                                "be mixed in one dataset; split them into two [[datasets]]")
-        dataset_schema = DREAMBOOTH_DATASET_SCHEMA if is_dreambooth else FINETUNE_DATASET_SCHEMA
-        subset_schema = DREAMBOOTH_SUBSET_SCHEMA if is_dreambooth else FINETUNE_SUBSET_SCHEMA
-        dataset_values = _check_table(dataset_raw, dataset_schema, where, problems, skip=("subsets",))
+        kind = _dataset_kind(subsets_raw, masked_loss, where, problems)
+        dataset_schema, subset_schema, required = KINDS[kind]
+        dataset_values = _check_table(dataset_raw, dataset_schema, where, problems, skip=("subsets",), kind=kind)
+        # Outside a ControlNet-style dataset, conditioning_data_dir was reported by _dataset_kind.
+        skip = () if kind == "controlnet" else ("conditioning_data_dir",)
         subsets = []
         for j, subset_raw in enumerate(subsets_raw):
             sub_where = f"{where}.subsets[{j}]"
-            subset_values = _check_table(subset_raw, subset_schema, sub_where, problems)
-            required = "image_dir" if is_dreambooth else "metadata_file"
-            if required not in subset_raw:
-                problems.add(sub_where, f'required key "{required}" is missing')
+            subset_values = _check_table(subset_raw, subset_schema, sub_where, problems, skip=skip, kind=kind)
+            for key in required:
+                if key not in subset_raw:
+                    problems.add(sub_where, f'required key "{key}" is missing')
             fallbacks = [subset_values, dataset_values, general, cli]
-            subsets.append(_subset_from(fallbacks, f"{source}: {sub_where}"))
+            if kind == "controlnet":
+                subsets.append(_controlnet_subset(fallbacks, f"{source}: {sub_where}"))
+            else:
+                subsets.append(_subset_from(fallbacks, f"{source}: {sub_where}"))
         datasets.append(_resolve(DatasetSpec, [dataset_values, general, cli], location=f"{source}: {where}",
-                                 is_dreambooth=is_dreambooth, subsets=tuple(subsets)))
+                                 is_dreambooth=kind != "finetune", subsets=tuple(subsets)))
     messages = problems.messages
     if not messages:
         for spec in datasets:
@@ -373,12 +429,23 @@ def parse_config(raw: dict[str, Any], source: str, data: DataConfig) -> DatasetG
     return DatasetGroupSpec(tuple(datasets), from_file=True, prior_loss_weight=data.prior_loss_weight)
 
 
-def _subset_from(fallbacks: list[dict[str, Any]], location: str) -> SubsetSpec:
-    spec = _resolve(SubsetSpec, fallbacks, location=location)
+def _subset_from(fallbacks: list[dict[str, Any]], location: str, **fixed: Any) -> SubsetSpec:
+    spec = _resolve(SubsetSpec, fallbacks, location=location, **fixed)
     ext = _normalise_extension(spec.caption_extension)
     if ext != spec.caption_extension:
         spec = replace(spec, caption_extension=ext)
     return spec
+
+
+def _controlnet_subset(fallbacks: list[dict[str, Any]], location: str) -> SubsetSpec:
+    """A subset with mask images: ``CONTROLNET_FIXED`` replaces what [general] or the command line say, with a
+    warning where that drops a value (sd-scripts drops it silently)."""
+    for key, value in CONTROLNET_FIXED.items():
+        given = next((level[key] for level in fallbacks if level.get(key) is not None), value)
+        if given != value:
+            logger.warning("%s: %s = %r does not apply to a subset with conditioning_data_dir and is ignored, as in "
+                           "sd-scripts", location, key, given)
+    return _subset_from(fallbacks, location, **CONTROLNET_FIXED)
 
 
 def parse_repeats_folder(name: str) -> tuple[int, str] | None:
@@ -420,10 +487,41 @@ def _folder_subsets(parent: str, is_reg: bool, problems: list[str]) -> list[dict
     return subsets
 
 
-def specs_from_cli(data: DataConfig) -> DatasetGroupSpec:
-    """The single dataset sd-scripts builds from ``--train_data_dir``/``--reg_data_dir`` or ``--in_json``."""
+def _add_mask_folders(subsets: list[dict[str, Any]], masks: str, problems: list[str]) -> None:
+    """``--conditioning_data_dir`` for the ``--train_data_dir`` folders: each ``<repeats>_<name>`` folder's masks
+    are in the folder of the same name under it (regularization folders get none)."""
+    root = Path(masks)
+    if not root.is_dir():
+        problems.append(f'--conditioning_data_dir "{masks}" is not a folder')
+        return
+    flat = any(p.is_file() for p in root.iterdir())
+    for sub in subsets:
+        if sub["is_reg"]:
+            continue
+        folder = root / Path(sub["image_dir"]).name
+        if folder.is_dir():
+            sub["conditioning_data_dir"] = str(folder)
+            continue
+        hint = f" (it holds files directly: move the masks into {folder})" if flat else ""
+        problems.append(f'--conditioning_data_dir "{masks}": no folder "{folder.name}" with the masks of '
+                        f'"{sub["image_dir"]}"{hint}; put the masks of each <repeats>_<name> folder of '
+                        "--train_data_dir in a folder of the same name under --conditioning_data_dir")
+
+
+def specs_from_cli(data: DataConfig, masked_loss: bool = False) -> DatasetGroupSpec:
+    """The single dataset sd-scripts builds from ``--train_data_dir``/``--reg_data_dir`` or ``--in_json``, with the
+    mask folders of ``--conditioning_data_dir``."""
     problems: list[str] = []
     cli = _cli_values(data)
+    if data.conditioning_data_dir is not None:
+        if not masked_loss:
+            problems.append("--conditioning_data_dir (mask images) is used only with --masked_loss; add --masked_loss "
+                            "or drop --conditioning_data_dir")
+        if data.alpha_mask:
+            problems.append("--alpha_mask and --conditioning_data_dir are two sources of the loss mask; keep one")
+        if data.in_json is not None:
+            problems.append("--conditioning_data_dir works with --train_data_dir image folders, not with --in_json; "
+                            "use --alpha_mask, or a --dataset_config with conditioning_data_dir in image_dir subsets")
     if data.in_json is not None:
         raw_subsets = [{"metadata_file": data.in_json, "image_dir": data.train_data_dir,
                         "location": f'--in_json "{data.in_json}"'}]
@@ -435,6 +533,8 @@ def specs_from_cli(data: DataConfig) -> DatasetGroupSpec:
         raw_subsets = _folder_subsets(data.train_data_dir, False, problems)
         if data.reg_data_dir is not None:
             raw_subsets += _folder_subsets(data.reg_data_dir, True, problems)
+        if data.conditioning_data_dir is not None and not problems:
+            _add_mask_folders(raw_subsets, data.conditioning_data_dir, problems)
         is_dreambooth = True
     if problems:
         raise UserError(*problems)
@@ -448,13 +548,37 @@ def specs_from_cli(data: DataConfig) -> DatasetGroupSpec:
     return DatasetGroupSpec((spec,), from_file=False, prior_loss_weight=data.prior_loss_weight, train_data_dirs=dirs)
 
 
-def load_dataset_specs(data: DataConfig) -> DatasetGroupSpec:
-    """Resolve the datasets of a run from ``--dataset_config`` or, without one, from the CLI folder flags."""
+def _check_mask_sources(group: DatasetGroupSpec, masked_loss: bool) -> None:
+    """``--masked_loss`` needs a mask somewhere; subsets without one train unmasked (mask 1), as in sd-scripts."""
+    subsets = [sub for ds in group.datasets for sub in ds.subsets]
+    unmasked = [sub.location for sub in subsets if not sub.alpha_mask and sub.conditioning_data_dir is None]
+    if not masked_loss or not subsets:
+        return
+    if len(unmasked) == len(subsets):
+        raise UserError("--masked_loss: no subset has a loss mask; add --alpha_mask (alpha_mask = true in the "
+                        "subsets) to use the images' transparency, or mask images of the same names: "
+                        'conditioning_data_dir = "..." in every [[datasets.subsets]] of a dataset, or with '
+                        "--train_data_dir --conditioning_data_dir (one folder of masks per <repeats>_<name> folder, "
+                        "named alike)")
+    if unmasked:
+        logger.warning("--masked_loss: %d subset(s) have no mask and train on every pixel: %s", len(unmasked),
+                       "; ".join(unmasked))
+
+
+def load_dataset_specs(data: DataConfig, masked_loss: bool = False) -> DatasetGroupSpec:
+    """Resolve the datasets of a run from ``--dataset_config`` or, without one, from the CLI folder flags.
+
+    ``masked_loss`` is the loss section's ``--masked_loss``: it admits mask images and requires a mask source."""
     if data.dataset_config is None:
-        return specs_from_cli(data)
-    ignored = [f"--{n}" for n in ("train_data_dir", "reg_data_dir", "in_json") if getattr(data, n) is not None]
-    if ignored:
-        logger.warning("%s ignored because --dataset_config is given (sd-scripts does the same); "
-                       "list the folders as [[datasets.subsets]] image_dir instead", ", ".join(ignored))
-    raw = read_config_file(data.dataset_config)
-    return parse_config(raw, str(data.dataset_config), data)
+        group = specs_from_cli(data, masked_loss)
+    else:
+        names = ("train_data_dir", "reg_data_dir", "in_json", "conditioning_data_dir")
+        ignored = [f"--{n}" for n in names if getattr(data, n) is not None]
+        if ignored:
+            logger.warning("%s ignored because --dataset_config is given (sd-scripts does the same); "
+                           "list the folders as [[datasets.subsets]] image_dir (and conditioning_data_dir) instead",
+                           ", ".join(ignored))
+        raw = read_config_file(data.dataset_config)
+        group = parse_config(raw, str(data.dataset_config), data, masked_loss)
+    _check_mask_sources(group, masked_loss)
+    return group

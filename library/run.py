@@ -49,7 +49,8 @@ def run(cfg: TrainConfig) -> RunResult:
     validate(cfg)
     choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
     seed = cfg.run.seed if cfg.run.seed is not None else random.randint(0, 2**31 - 1)
-    data = build_train_data(cfg.data, seed=seed, max_token_length=cfg.model.max_token_length)
+    data = build_train_data(cfg.data, seed=seed, max_token_length=cfg.model.max_token_length,
+                            masked_loss=cfg.loss.masked_loss)
     plan = plan_steps(len(data), batch_size=cfg.data.train_batch_size,
                       gradient_accumulation_steps=cfg.schedule.gradient_accumulation_steps,
                       max_train_steps=cfg.schedule.max_train_steps, max_train_epochs=cfg.schedule.max_train_epochs)

@@ -3,7 +3,10 @@
 Follows sd-scripts' ``NetworkTrainer.process_batch`` for SD1.x/2.x: latents are the VAE sample
 × scaling factor (0.18215), NaN latents become 0 with a warning, the text encoder runs with gradients
 only when its LoRA is trained, the UNet runs under the precision policy's autocast, and the loss is
-computed in fp32 (``library/loss.py``).
+computed in fp32 (``library/loss.py``). A batch with ``loss_masks`` (alpha channels or mask images, see
+``library/data/batches.py``) weights the elementwise loss by them, as sd-scripts' ``apply_masked_loss``: the alpha
+mask applies whenever a subset has ``alpha_mask``, mask images only with ``--masked_loss`` (the data stage refuses
+them otherwise).
 """
 
 from __future__ import annotations
@@ -72,5 +75,6 @@ class BatchLoss:
                                    hidden.to(self.policy.frozen_dtype)).sample
         target = training_target(scheduler, latents, noise, timesteps, self.model.v_parameterization)
         weights = batch["loss_weights"].to(self.device)
+        mask = batch["loss_masks"].to(self.device) if "loss_masks" in batch else None
         return training_loss(pred.float(), target.float(), timesteps, weights, self.loss,
-                             scheduler.alphas_cumprod.to(self.device), self.model.v_parameterization)
+                             scheduler.alphas_cumprod.to(self.device), self.model.v_parameterization, mask)

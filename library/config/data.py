@@ -59,9 +59,11 @@ class DataConfig:
     skip_cache_check: bool = flag(False, "trust existing latent cache files without opening them (their names must "
                                   "still match)")
     cache_info: bool = flag(False, "cache captions and image sizes of each image folder in metadata_cache.json")
-    alpha_mask: bool = flag(False, "use each image's alpha channel as the loss mask (with --masked_loss)")
+    alpha_mask: bool = flag(False, "weight the loss by each image's alpha channel (transparent pixels do not train; "
+                            "applies with or without --masked_loss, as in sd-scripts)")
     conditioning_data_dir: str | None = flag(
-        None, "folder of mask images (same names as the training images) for --masked_loss")
+        None, "mask images for --masked_loss: one folder per <repeats>_<name> folder of --train_data_dir, named "
+        "alike, each mask named as its image (white trains, black is ignored)")
     validation_split: float = flag(0.0, "fraction of the training images held out for the validation loss")
     validation_seed: int | None = flag(None, "seed of the validation split (default: --seed)")
     dataset_class: str | None = flag(None, "a custom dataset class package.module.Class")

@@ -6,23 +6,43 @@ this. Differences, on purpose, for reproducibility:
   DataLoader shuffles again with torch's global generator), so any epoch can be replayed, e.g. on resume;
 * every random choice of an image (flip, crop, colour, caption) comes from a generator seeded by
   (seed, epoch, batch position, slot), so the result does not depend on the number of workers.
+
+Loss masks (sd-scripts' ``alpha_masks`` and ``conditioning_images``): when an image of the batch has one (its alpha
+channel with ``alpha_mask``, or its mask image from ``conditioning_data_dir``), the batch carries ``loss_masks``
+[B, H, W] float32 in [0, 1] at the bucket size; images without a mask get ones. A mask is cut by the same
+placement as its image (bucket resize and crop, random crop, face crop) and flipped with it; with cached latents an
+alpha mask comes from the cache and a mask image is placed as the cached image was (centred in the bucket).
+Difference, on purpose: sd-scripts stretches a conditioning image straight to the bucket size, so with an aspect
+ratio other than the bucket's (or a face crop) its mask is offset from the image; here it is not.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
 from library.data.captions import CaptionState, process_caption
-from library.data.images import BrokenImage, load_image
+from library.data.images import BrokenImage, load_image, load_image_with_alpha, load_mask_image
 from library.data.prepare import ImageItem, PreparedDataset
-from library.data.transforms import color_augment, face_box, face_crop, fit_to_bucket, to_tensor
+from library.data.transforms import (
+    Placement,
+    bucket_placement,
+    color_augment,
+    face_box,
+    face_placement,
+    mask_tensor,
+    place,
+    to_tensor,
+)
 from library.errors import UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -46,10 +66,12 @@ class BatchRef:
 
 @dataclass
 class LatentStore:
-    """Cached latents per (dataset, item): tensors in RAM, or the npz file to read them from."""
+    """Cached latents per (dataset, item): tensors in RAM, or the npz file to read them from; ``masks`` holds the
+    alpha masks [H, W] of RAM-cached items whose subset has ``alpha_mask`` (on disk they are in the npz)."""
 
     ram: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]]
     disk: dict[tuple[int, int], str]
+    masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.ram or self.disk)
@@ -100,16 +122,21 @@ class BatchSource(Dataset):
         ds = self.datasets[ref.dataset]
         indices = members[ref.dataset][ref.bucket][ref.start:ref.start + ds.spec.batch_size]
         state = CaptionState(key.epoch, key.step, key.max_train_steps)
-        pixels, latents, captions = [], [], []
+        pixels, latents, captions, masks = [], [], [], []
         for slot, index in enumerate(indices):
             rng = random.Random(f"{self.seed}:{key.epoch}:{key.position}:{slot}")
             item = ds.items[index]
             sub = ds.subsets[item.subset_index].spec
             flipped = sub.flip_aug and rng.random() < 0.5
             if self.latents:
-                latents.append(self._cached(ref.dataset, index, flipped))
+                cached, mask = self._cached(ref.dataset, index, flipped, sub.alpha_mask)
+                if item.mask_path is not None:
+                    mask = self._mask_image(ds, item, bucket_placement(item.choice, None), flipped)
+                latents.append(cached)
             else:
-                pixels.append(self._render(ds, item, flipped, rng))
+                image, mask = self._render(ds, item, flipped, rng)
+                pixels.append(image)
+            masks.append(mask)
             captions.append(process_caption(item.caption, sub, rng, state))
         batch = {
             "captions": captions,
@@ -121,33 +148,72 @@ class BatchSource(Dataset):
             batch["latents"] = torch.stack(latents)
         else:
             batch["images"] = torch.stack(pixels)
+        if any(mask is not None for mask in masks):
+            width, height = ds.items[indices[0]].choice.bucket
+            batch["loss_masks"] = torch.stack([torch.ones(height, width) if m is None else m for m in masks])
         return batch
 
-    def _render(self, ds: PreparedDataset, item: ImageItem, flipped: bool, rng: random.Random) -> torch.Tensor:
+    def _render(self, ds: PreparedDataset, item: ImageItem, flipped: bool,
+                rng: random.Random) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The image [3, H, W] in [-1, 1] and its mask [H, W] (None without one), placed, augmented, flipped."""
         sub = ds.subsets[item.subset_index].spec
-        interpolation = sub.resize_interpolation or ds.spec.resize_interpolation
-        try:
-            img = load_image(item.path)
-        except BrokenImage as e:
-            raise UserError(str(e), "the image decoded when the dataset was scanned; was it changed since?") from None
+        interpolation = _interpolation(ds, item)
+        if sub.alpha_mask:
+            img, mask = _decoded(item.path, load_image_with_alpha)
+        else:
+            img, mask = _decoded(item.path, load_image), None
+        if item.mask_path is not None:
+            mask = _decoded(item.mask_path, load_mask_image)
         face = face_box(item.path) if sub.face_crop_aug_range is not None and not ds.spec.enable_bucket else None
         if face is not None:
-            img = face_crop(img, face, ds.spec.resolution, sub.face_crop_aug_range, sub.random_crop, interpolation,
-                            rng)
+            placement = face_placement(img.size, face, ds.spec.resolution, sub.face_crop_aug_range, sub.random_crop,
+                                       rng)
         else:
-            img = fit_to_bucket(img, item.choice, interpolation, rng if sub.random_crop else None)
+            placement = bucket_placement(item.choice, rng if sub.random_crop else None)
+        img = place(img, placement, interpolation)
         if sub.color_aug:
             img = color_augment(img, rng)
         tensor = to_tensor(img)
-        return tensor.flip(2) if flipped else tensor
+        placed = mask_tensor(place(mask, placement, interpolation)) if mask is not None else None
+        if flipped:
+            return tensor.flip(2), placed.flip(1) if placed is not None else None
+        return tensor, placed
 
-    def _cached(self, dataset: int, index: int, flipped: bool) -> torch.Tensor:
+    def _mask_image(self, ds: PreparedDataset, item: ImageItem, placement: Placement, flipped: bool) -> torch.Tensor:
+        mask = mask_tensor(place(_decoded(item.mask_path, load_mask_image), placement, _interpolation(ds, item)))
+        return mask.flip(1) if flipped else mask
+
+    def _cached(self, dataset: int, index: int, flipped: bool,
+                alpha_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cached latents (the mirrored ones when ``flipped``) and, with ``alpha_mask``, the cached alpha mask."""
         key = (dataset, index)
+        mask = None
         if key in self.latents.ram:
             plain, mirrored = self.latents.ram[key]
-            return mirrored if flipped else plain
-        with np.load(self.latents.disk[key]) as npz:
-            return torch.from_numpy(np.array(npz["latents_flipped" if flipped else "latents"], dtype=np.float32))
+            latents = mirrored if flipped else plain
+            if alpha_mask:
+                mask = self.latents.masks[key]
+        else:
+            with np.load(self.latents.disk[key]) as npz:
+                latents = torch.from_numpy(np.array(npz["latents_flipped" if flipped else "latents"],
+                                                    dtype=np.float32))
+                if alpha_mask:
+                    mask = torch.from_numpy(np.array(npz["alpha_mask"], dtype=np.float32))
+        if mask is not None and flipped:
+            mask = mask.flip(1)
+        return latents, mask
+
+
+def _interpolation(ds: PreparedDataset, item: ImageItem) -> str | None:
+    return ds.subsets[item.subset_index].spec.resize_interpolation or ds.spec.resize_interpolation
+
+
+def _decoded(path: str, loader: Callable[[str], T]) -> T:
+    """``loader(path)``, a decoding failure (the file changed since the scan) as a UserError."""
+    try:
+        return loader(path)
+    except BrokenImage as e:
+        raise UserError(str(e), "the image decoded when the dataset was scanned; was it changed since?") from None
 
 
 class EpochSampler(Sampler):

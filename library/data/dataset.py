@@ -14,11 +14,11 @@ from library.config import DataConfig
 from library.data import latent_cache
 from library.data.batches import BatchSource, EpochSampler, LatentStore
 from library.data.buckets import crop_ltrb
-from library.data.images import load_image
+from library.data.images import load_image, load_image_with_alpha
 from library.data.metadata import dataset_metadata
 from library.data.prepare import PreparedDataset, prepare_datasets
-from library.data.transforms import fit_to_bucket, to_tensor
-from library.dataset_config import DatasetGroupSpec, load_dataset_specs
+from library.data.transforms import bucket_placement, mask_tensor, place, to_tensor
+from library.dataset_config import DatasetGroupSpec, SubsetSpec, load_dataset_specs
 from library.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class TrainData:
                 kind = "reg  " if sub.is_reg else "train"
                 source = sub.image_dir if spec.is_dreambooth else sub.metadata_file
                 lines.append(f"  {kind} {source}: {info.img_count} images x {sub.num_repeats} repeats "
-                             f"= {info.img_count * sub.num_repeats}")
+                             f"= {info.img_count * sub.num_repeats}{_mask_note(sub)}")
             if ds.num_reg_images:
                 used = sum(item.repeats for item in ds.items if item.is_reg)
                 lines.append(f"  regularisation: {ds.num_reg_images} reg images with repeats, {used} used to "
@@ -112,10 +112,12 @@ class TrainData:
 
     def cache_latents(self, encode: Callable[[torch.Tensor], torch.Tensor], *, to_disk: bool, vae_id: str,
                       batch_size: int) -> None:
-        """Encode every image once (and its mirror image with flip_aug); keep the latents in RAM or in npz files.
+        """Encode every image once (and its mirror image with flip_aug); keep the latents in RAM or in npz files,
+        with the alpha mask of subsets with ``alpha_mask``.
 
         ``encode`` maps images [B, 3, H, W] in [-1, 1] to unscaled latents [B, 4, H/8, W/8]. Disk caches that are
-        still valid (see ``latent_cache``) are reused without encoding.
+        still valid (see ``latent_cache``) are reused without encoding. Images are encoded in groups of one bucket,
+        flip_aug and alpha_mask setting, as sd-scripts groups them.
         """
         blocked = sorted({info.spec.location for ds in self.datasets for info in ds.subsets
                           if info.spec.color_aug or info.spec.random_crop})
@@ -123,34 +125,41 @@ class TrainData:
             raise UserError(*(f"{loc}: color_aug and random_crop change the image every step, so latents cannot be "
                               "cached; turn them off or drop --cache_latents / --cache_latents_to_disk"
                               for loc in blocked))
-        pending: dict[tuple[tuple[int, int], bool], list[tuple[int, int, str]]] = {}
+        pending: dict[tuple[tuple[int, int], bool, bool], list[tuple[int, int, str]]] = {}
         reused = 0
         for d, ds in enumerate(self.datasets):
             for i, item in enumerate(ds.items):
-                flip = ds.subsets[item.subset_index].spec.flip_aug
+                sub = ds.subsets[item.subset_index].spec
                 key = ""
                 if to_disk:
                     path = latent_cache.npz_path(item.path, item.size)
                     key = latent_cache.cache_key(latent_cache.file_sha1(item.path), item.choice.bucket,
                                                  item.choice.resized, vae_id)
-                    if latent_cache.is_valid(path, item.choice.bucket, flip, key):
+                    if latent_cache.is_valid(path, item.choice.bucket, sub.flip_aug, key, sub.alpha_mask):
                         self.latents.disk[(d, i)] = str(path)
                         reused += 1
                         continue
-                pending.setdefault((item.choice.bucket, flip), []).append((d, i, key))
+                pending.setdefault((item.choice.bucket, sub.flip_aug, sub.alpha_mask), []).append((d, i, key))
         count = sum(len(v) for v in pending.values())
         logger.info("caching latents: %d to encode, %d reused from disk", count, reused)
-        for (_, flip), jobs in sorted(pending.items(), key=lambda kv: kv[0][0][0] * kv[0][0][1]):
+        for (_, flip, alpha), jobs in sorted(pending.items(), key=lambda kv: kv[0][0][0] * kv[0][0][1]):
             for start in range(0, len(jobs), batch_size):
-                self._encode_batch(encode, jobs[start:start + batch_size], flip, to_disk)
+                self._encode_batch(encode, jobs[start:start + batch_size], flip, alpha, to_disk)
 
     def _encode_batch(self, encode: Callable[[torch.Tensor], torch.Tensor], jobs: list[tuple[int, int, str]],
-                      flip: bool, to_disk: bool) -> None:
+                      flip: bool, alpha: bool, to_disk: bool) -> None:
         items = [(d, i, self.datasets[d], self.datasets[d].items[i], key) for d, i, key in jobs]
-        images = []
+        images, masks = [], []
         for _, _, ds, item, _ in items:
             interpolation = ds.subsets[item.subset_index].spec.resize_interpolation or ds.spec.resize_interpolation
-            images.append(to_tensor(fit_to_bucket(load_image(item.path), item.choice, interpolation, None)))
+            placement = bucket_placement(item.choice, None)
+            if alpha:
+                img, mask = load_image_with_alpha(item.path)
+                masks.append(mask_tensor(place(mask, placement, interpolation)))
+            else:
+                img = load_image(item.path)
+                masks.append(None)
+            images.append(to_tensor(place(img, placement, interpolation)))
         pixels = torch.stack(images)
         with torch.no_grad():
             latents = encode(pixels).float().cpu()
@@ -160,19 +169,29 @@ class TrainData:
             if to_disk:
                 path = latent_cache.npz_path(item.path, item.size)
                 latent_cache.write(path, latents[n], item.size, crop_ltrb(item.choice.bucket, item.size), mirrored,
-                                   key)
+                                   key, masks[n])
                 self.latents.disk[(d, i)] = str(path)
             else:
                 self.latents.ram[(d, i)] = (latents[n].clone(), mirrored)
+                if masks[n] is not None:
+                    self.latents.masks[(d, i)] = masks[n]
 
 
-def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | None = None) -> TrainData:
+def _mask_note(sub: SubsetSpec) -> str:
+    if sub.conditioning_data_dir is not None:
+        return f", loss mask: images in {sub.conditioning_data_dir}"
+    return ", loss mask: alpha channel" if sub.alpha_mask else ""
+
+
+def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | None = None,
+                     masked_loss: bool = False) -> TrainData:
     """Scan and validate the datasets of a run (all problems in one UserError); no model needed.
 
     ``max_token_length`` is accepted for the trainer's call shape; captions are returned as text and the trainer
-    tokenizes them, so it does not change the data.
+    tokenizes them, so it does not change the data. ``masked_loss`` (the loss section's ``--masked_loss``) admits
+    mask images (``conditioning_data_dir``) and requires some mask source.
     """
     del max_token_length
-    group = load_dataset_specs(data)
+    group = load_dataset_specs(data, masked_loss)
     datasets = prepare_datasets(list(group.datasets), data.skip_broken_images)
     return TrainData(group, datasets, data, seed)

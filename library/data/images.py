@@ -88,11 +88,28 @@ def image_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
-def load_image(path: str | Path) -> Image.Image:
-    """The image as upright RGB (transparent pixels are composited as PIL converts them)."""
+def _open_upright(path: str | Path, mode: str) -> Image.Image:
     try:
         with Image.open(path) as img:
-            upright = ImageOps.exif_transpose(img)
-            return upright.convert("RGB")
+            return ImageOps.exif_transpose(img).convert(mode)
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
         raise BrokenImage(f"{path}: cannot decode image ({e})") from None
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """The image as upright RGB (an alpha channel is dropped, as PIL converts RGBA to RGB)."""
+    return _open_upright(path, "RGB")
+
+
+def load_image_with_alpha(path: str | Path) -> tuple[Image.Image, Image.Image]:
+    """The upright image as RGB and its alpha channel ("L"), as sd-scripts' ``load_image(path, alpha=True)``:
+    the file is converted to RGBA, so palette and grey+alpha transparency count and an image without alpha gets
+    an opaque (255) channel."""
+    rgba = _open_upright(path, "RGBA")
+    return rgba.convert("RGB"), rgba.getchannel("A")
+
+
+def load_mask_image(path: str | Path) -> Image.Image:
+    """A mask image as upright "L": the R channel of its RGB conversion, the channel sd-scripts'
+    ``apply_masked_loss`` reads from a conditioning image (white trains, black is ignored)."""
+    return _open_upright(path, "RGB").getchannel("R")

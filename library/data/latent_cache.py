@@ -1,8 +1,10 @@
 """Latent cache files, compatible with sd-scripts' (``strategy_sd.SdSdxlLatentsCachingStrategy``).
 
 File: ``<image stem>_<W:04d>x<H:04d>_sd.npz`` beside the image, W×H the original (upright) image size; uncompressed
-``np.savez`` with ``latents`` (float32 [4, h, w], unscaled VAE sample), ``original_size`` [W, H], ``crop_ltrb``
-and ``latents_flipped`` (with flip_aug). sd-scripts reads these files as its own.
+``np.savez`` with ``latents`` (float32 [4, h, w], unscaled VAE sample), ``original_size`` [W, H], ``crop_ltrb``,
+``latents_flipped`` (with flip_aug) and ``alpha_mask`` (float32 [H, W] in [0, 1] at the bucket size, with
+alpha_mask; unflipped). sd-scripts reads these files as its own. A file without ``alpha_mask`` is rebuilt when the
+mask is needed; one with it serves a run without masks too (the key is not read then).
 
 Added key ``sdsb_cache_key``: a JSON string with the SHA-1 of the image file, the bucket, the resized size and the
 VAE id. A file whose key differs is rebuilt, so an edited image, a new resolution or another VAE never reuses stale
@@ -48,8 +50,9 @@ def cache_key(sha1: str, bucket: tuple[int, int], resized: tuple[int, int], vae_
                       sort_keys=True)
 
 
-def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str) -> bool:
-    """True when ``path`` holds latents for ``bucket`` (and flipped ones with ``flip_aug``) made under ``key``."""
+def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str, alpha_mask: bool = False) -> bool:
+    """True when ``path`` holds latents for ``bucket`` (and flipped ones with ``flip_aug``, the bucket-sized alpha
+    mask with ``alpha_mask``) made under ``key``."""
     if not path.is_file():
         return False
     expected = (LATENT_CHANNELS, bucket[1] // LATENT_STRIDE, bucket[0] // LATENT_STRIDE)
@@ -59,6 +62,8 @@ def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str) -> b
                 return False
             if flip_aug and "latents_flipped" not in npz.files:
                 return False
+            if alpha_mask and ("alpha_mask" not in npz.files or npz["alpha_mask"].shape != (bucket[1], bucket[0])):
+                return False
             if CACHE_KEY in npz.files:
                 return str(npz[CACHE_KEY]) == key
             return True
@@ -67,7 +72,8 @@ def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str) -> b
 
 
 def write(path: Path, latents: torch.Tensor, original_size: tuple[int, int],
-          crop_ltrb: tuple[float, float, float, float], flipped: torch.Tensor | None, key: str) -> None:
+          crop_ltrb: tuple[float, float, float, float], flipped: torch.Tensor | None, key: str,
+          alpha_mask: torch.Tensor | None = None) -> None:
     """Write one cache file atomically (temporary file in the same folder, then rename)."""
     arrays = {
         "latents": latents.float().cpu().numpy(),
@@ -77,6 +83,8 @@ def write(path: Path, latents: torch.Tensor, original_size: tuple[int, int],
     }
     if flipped is not None:
         arrays["latents_flipped"] = flipped.float().cpu().numpy()
+    if alpha_mask is not None:
+        arrays["alpha_mask"] = alpha_mask.float().cpu().numpy()
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -6,6 +6,12 @@ and ``ss_dataset_dirs``. Without it: the flat keys (``ss_batch_size_per_device``
 the data flags sd-scripts always writes (caption dropouts, face crop range, prior loss weight, resize filter).
 Values are strings, as sd-scripts stringifies them (``str(True)`` → "True", ``str((512, 512))`` → "(512, 512)").
 ``ss_total_batch_size`` needs the process count and accumulation, so the trainer adds it.
+
+Loss masks: sd-scripts writes nothing about them. A subset entry of ``ss_datasets`` gets ``alpha_mask: true`` and
+``conditioning_data_dir`` (the folder name, like ``image_dir``) only when it has them, so runs without masks keep
+sd-scripts' exact key set. A dataset with mask images is described like the DreamBooth dataset it is
+(sd-scripts' ``ControlNetDataset`` entry says ``is_dreambooth: false``, ``enable_bucket: false`` and lists no
+subsets, because that class keeps its subsets in an inner DreamBooth dataset).
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ def _subset_entry(ds: PreparedDataset, index: int) -> dict[str, Any]:
         entry["is_reg"] = sub.is_reg
     else:
         entry["metadata_file"] = Path(sub.metadata_file).name
+    if sub.alpha_mask:
+        entry["alpha_mask"] = True
+    if sub.conditioning_data_dir is not None:
+        entry["conditioning_data_dir"] = Path(sub.conditioning_data_dir).name
     return entry
 
 

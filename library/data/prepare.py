@@ -27,6 +27,7 @@ from library.data.images import (
     list_images,
     read_caption,
 )
+from library.data.masks import match_mask_images
 from library.data.metadata_file import read_metadata_subset
 from library.dataset_config import DatasetSpec, SubsetSpec
 from library.errors import UserError
@@ -38,7 +39,8 @@ MAX_LISTED = 5
 
 @dataclass
 class ImageItem:
-    """One image of a dataset. ``repeats`` is final (after regularisation balancing)."""
+    """One image of a dataset. ``repeats`` is final (after regularisation balancing); ``mask_path`` is its mask
+    image from the subset's ``conditioning_data_dir``."""
 
     path: str
     caption: str
@@ -47,6 +49,7 @@ class ImageItem:
     is_reg: bool
     repeats: int
     choice: BucketChoice | None = None
+    mask_path: str | None = None
 
 
 @dataclass
@@ -234,11 +237,12 @@ def prepare_dataset(spec: DatasetSpec, report: ScanReport) -> PreparedDataset:
         if not found:
             logger.warning("%s: ignored: no images (%s) in %s", sub.location, " ".join(IMAGE_EXTENSIONS), source)
             continue
+        masks = match_mask_images(sub, found, report.errors) if sub.conditioning_data_dir else {}
         index = len(prepared.subsets)
         prepared.subsets.append(SubsetInfo(sub, len(found)))
         is_reg = sub.is_reg and spec.is_dreambooth
         for path, caption, size in found:
-            item = ImageItem(path, caption, size, index, is_reg, sub.num_repeats)
+            item = ImageItem(path, caption, size, index, is_reg, sub.num_repeats, mask_path=masks.get(path))
             (reg_items if is_reg else prepared.items).append(item)
         if is_reg:
             prepared.num_reg_images += sub.num_repeats * len(found)

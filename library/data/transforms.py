@@ -1,4 +1,4 @@
-"""Per-image pixel transforms: resize, crop to the bucket, face crop, colour augmentation, flip, tensor.
+"""Per-image pixel transforms: resize, crop to the bucket, face crop, colour augmentation, flip, tensor, mask.
 
 Follows sd-scripts' ``trim_and_resize_if_required``, ``resize_image``, ``crop_target`` and ``AugHelper``. Resizing
 uses PIL only: sd-scripts' OpenCV "area" filter is PIL's BOX filter here (both average the covered source pixels
@@ -8,6 +8,7 @@ when shrinking), and the hue shift is done in PIL's HSV space (hue 0-255) instea
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,12 +35,26 @@ def resize(img: Image.Image, size: tuple[int, int], interpolation: str | None) -
     return img.resize(size, _FILTERS[interpolation])
 
 
-def fit_to_bucket(img: Image.Image, choice: BucketChoice, interpolation: str | None,
-                  crop_rng: random.Random | None) -> Image.Image:
-    """Resize to cover the bucket, then cut the bucket out: centred, or at random with ``crop_rng``."""
-    img = resize(img, choice.resized, interpolation)
-    left, top = crop_offset(img.size, choice.bucket, crop_rng)
-    return img.crop((left, top, left + choice.bucket[0], top + choice.bucket[1]))
+@dataclass(frozen=True)
+class Placement:
+    """Where the training crop of an image comes from: resize the image to ``resized`` (W, H), then cut ``box``
+    (left, top, right, bottom) out of it. One placement is applied to an image and to its loss mask, so the mask
+    follows every resize and crop of its image."""
+
+    resized: tuple[int, int]
+    box: tuple[int, int, int, int]
+
+
+def bucket_placement(choice: BucketChoice, crop_rng: random.Random | None) -> Placement:
+    """Resize to cover the bucket, then cut the bucket out: centred, or at random with ``crop_rng``
+    (sd-scripts' ``trim_and_resize_if_required``)."""
+    left, top = crop_offset(choice.resized, choice.bucket, crop_rng)
+    return Placement(choice.resized, (left, top, left + choice.bucket[0], top + choice.bucket[1]))
+
+
+def place(img: Image.Image, placement: Placement, interpolation: str | None) -> Image.Image:
+    """Apply ``placement`` to ``img`` (an image of the size the placement was made for)."""
+    return resize(img, placement.resized, interpolation).crop(placement.box)
 
 
 def face_box(path: str | Path) -> tuple[int, int, int, int] | None:
@@ -54,23 +69,22 @@ def face_box(path: str | Path) -> tuple[int, int, int, int] | None:
     return (cx, cy, w, h) if cx > 0 else None
 
 
-def face_crop(img: Image.Image, face: tuple[int, int, int, int], target: tuple[int, int],
-              aug_range: tuple[float, float], random_crop: bool, interpolation: str | None,
-              rng: random.Random) -> Image.Image:
-    """sd-scripts' ``crop_target``: scale so the face spans ``aug_range`` of the short side, crop around it."""
-    width, height = img.size
+def face_placement(size: tuple[int, int], face: tuple[int, int, int, int], target: tuple[int, int],
+                   aug_range: tuple[float, float], random_crop: bool, rng: random.Random) -> Placement:
+    """sd-scripts' ``crop_target`` for an image of ``size``: scale so the face spans ``aug_range`` of the short side,
+    crop ``target`` around it."""
+    width, height = size
     target_w, target_h = target
-    if (width, height) == target:
-        return img
+    if size == target:
+        return Placement(size, (0, 0, width, height))
     face_cx, face_cy, face_w, face_h = face
     face_size = max(face_w, face_h)
-    size = min(target_w, target_h)
+    short = min(target_w, target_h)
     min_scale = max(target_h / height, target_w / width)
-    min_scale = min(1.0, max(min_scale, size / (face_size * aug_range[1])))
-    max_scale = min(1.0, max(min_scale, size / (face_size * aug_range[0])))
+    min_scale = min(1.0, max(min_scale, short / (face_size * aug_range[1])))
+    max_scale = min(1.0, max(min_scale, short / (face_size * aug_range[0])))
     scale = min_scale if min_scale >= max_scale else rng.uniform(min_scale, max_scale)
     new_w, new_h = int(width * scale + 0.5), int(height * scale + 0.5)
-    img = resize(img, (new_w, new_h), interpolation)
     face_cx, face_cy = int(face_cx * scale + 0.5), int(face_cy * scale + 0.5)
     origin = []
     for target_len, length, face_p in ((target_h, new_h, face_cy), (target_w, new_w, face_cx)):
@@ -78,11 +92,11 @@ def face_crop(img: Image.Image, face: tuple[int, int, int, int], target: tuple[i
         if random_crop:
             spread = max(length - face_p, face_p)
             p1 = p1 + (rng.randint(0, spread) + rng.randint(0, spread)) - spread
-        elif aug_range[0] != aug_range[1] and face_size > size // 10 and face_size >= 40:
+        elif aug_range[0] != aug_range[1] and face_size > short // 10 and face_size >= 40:
             p1 = p1 + rng.randint(-face_size // 20, face_size // 20)
         origin.append(max(0, min(p1, length - target_len)))
     top, left = origin
-    return img.crop((left, top, left + target_w, top + target_h))
+    return Placement((new_w, new_h), (left, top, left + target_w, top + target_h))
 
 
 def color_augment(img: Image.Image, rng: random.Random) -> Image.Image:
@@ -104,3 +118,9 @@ def to_tensor(img: Image.Image) -> torch.Tensor:
     """[3, H, W] float32 in [-1, 1] (sd-scripts' ToTensor + Normalize(0.5, 0.5))."""
     array = np.asarray(img, dtype=np.float32)
     return torch.from_numpy(array).permute(2, 0, 1).div(127.5).sub(1.0).contiguous()
+
+
+def mask_tensor(mask: Image.Image) -> torch.Tensor:
+    """[H, W] float32 in [0, 1] from an 8-bit mask: value / 255, as sd-scripts turns an alpha channel into a mask
+    (a conditioning image's R channel in [-1, 1], mapped back by ``x / 2 + 0.5``, is the same value)."""
+    return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)
