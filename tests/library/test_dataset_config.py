@@ -281,3 +281,189 @@ def test_repeats_folder_names():
 def test_import_does_not_load_torch():
     code = "import sys, library.dataset_config; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], cwd=".").returncode == 0
+
+
+# Masked loss: sd-scripts' ConfigSanitizer with support_controlnet = --masked_loss (config_util.py).
+def masked(tmp_path, text: str, masked_loss: bool = True, **cli):
+    path = write(tmp_path, text)
+    return load_dataset_specs(DataConfig(dataset_config=str(path), **cli), masked_loss)
+
+
+def masked_problems(tmp_path, text: str, masked_loss: bool = True, **cli) -> str:
+    with pytest.raises(UserError) as info:
+        masked(tmp_path, text, masked_loss, **cli)
+    return "\n".join(info.value.messages)
+
+
+def test_alpha_mask_in_dreambooth_and_finetuning_subsets_and_from_the_cli(tmp_path):
+    img = tmp_path / "img"
+    img.mkdir()
+    meta = tmp_path / "meta.json"
+    meta.write_text("{}")
+    spec = masked(tmp_path, f"""
+        [general]
+        resolution = 64
+        [[datasets]]
+        [[datasets.subsets]]
+        image_dir = "{img}"
+        alpha_mask = true
+        [[datasets.subsets]]
+        image_dir = "{tmp_path}"
+        [[datasets]]
+        [[datasets.subsets]]
+        metadata_file = "{meta}"
+        alpha_mask = true
+    """)
+    assert [[s.alpha_mask for s in ds.subsets] for ds in spec.datasets] == [[True, False], [True]]
+    spec = masked(tmp_path, f"""
+        [general]
+        resolution = 64
+        [[datasets]]
+        [[datasets.subsets]]
+        image_dir = "{img}"
+    """, alpha_mask=True)
+    assert spec.datasets[0].subsets[0].alpha_mask  # --alpha_mask is a fallback like any subset flag
+    assert "belongs in a [[datasets.subsets]] table" in masked_problems(tmp_path, f"""
+        [general]
+        resolution = 64
+        alpha_mask = true
+        [[datasets]]
+        [[datasets.subsets]]
+        image_dir = "{img}"
+    """)
+
+
+def test_conditioning_data_dir_makes_a_masked_dataset(tmp_path, caplog):
+    img, masks = tmp_path / "img", tmp_path / "masks"
+    img.mkdir()
+    masks.mkdir()
+    spec = masked(tmp_path, f"""
+        [general]
+        resolution = 64
+        class_tokens = "sks"
+        caption_extension = "txt"
+        [[datasets]]
+        [[datasets.subsets]]
+        image_dir = "{img}"
+        conditioning_data_dir = "{masks}"
+        cache_info = true
+    """, alpha_mask=True)
+    (ds,) = spec.datasets
+    (sub,) = ds.subsets
+    assert ds.is_dreambooth and sub.conditioning_data_dir == str(masks) and sub.caption_extension == ".txt"
+    # sd-scripts' ControlNetSubset has no class_tokens / alpha_mask: they are dropped, here with a warning
+    assert sub.class_tokens is None and not sub.alpha_mask and not sub.is_reg and sub.cache_info
+    assert "class_tokens = 'sks' does not apply to a subset with conditioning_data_dir" in caplog.text
+    assert "alpha_mask = True does not apply" in caplog.text
+
+
+def test_conditioning_data_dir_needs_masked_loss(tmp_path):
+    text = masked_problems(tmp_path, f"""
+        [general]
+        resolution = 64
+        [[datasets]]
+        [[datasets.subsets]]
+        image_dir = "{tmp_path}"
+        conditioning_data_dir = "{tmp_path}"
+    """, masked_loss=False)
+    assert text.endswith("datasets[0]: conditioning_data_dir (mask images, in subsets [0]) is used only with "
+                         "--masked_loss; add --masked_loss (masked_loss = true in --config_file) or remove it")
+
+
+def test_masked_dataset_schema_problems(tmp_path):
+    text = masked_problems(tmp_path, f"""
+        [general]
+        resolution = 64
+        conditioning_data_dir = "{tmp_path}"
+        [[datasets]]
+        class_tokens = "x"
+        [[datasets.subsets]]
+        image_dir = "{tmp_path}"
+        conditioning_data_dir = "{tmp_path / 'nowhere'}"
+        is_reg = true
+        alpha_mask = true
+        [[datasets]]
+        [[datasets.subsets]]
+        image_dir = "{tmp_path}"
+        conditioning_data_dir = "{tmp_path}"
+        [[datasets.subsets]]
+        image_dir = "{tmp_path}"
+        conditioning_dir = "{tmp_path}"
+        [[datasets]]
+        [[datasets.subsets]]
+        conditioning_data_dir = "{tmp_path}"
+    """)
+    assert 'general: "conditioning_data_dir" belongs in a [[datasets.subsets]] table' in text
+    for key in ("class_tokens", "is_reg", "alpha_mask"):
+        assert f'"{key}" does not apply to a dataset whose subsets have conditioning_data_dir' in text
+    assert ("datasets[1]: subsets [0] have conditioning_data_dir (mask images) but subsets [1] do not; a dataset "
+            "with mask images needs them in every subset") in text
+    assert 'datasets[1].subsets[1]: unknown key "conditioning_dir" (did you mean "conditioning_data_dir"?)' in text
+    assert 'datasets[2].subsets[0]: required key "image_dir" is missing' in text
+
+
+def test_missing_mask_folder_is_named(tmp_path):
+    text = masked_problems(tmp_path, f"""
+        [general]
+        resolution = 64
+        [[datasets]]
+        [[datasets.subsets]]
+        image_dir = "{tmp_path}"
+        conditioning_data_dir = "{tmp_path / 'nowhere'}"
+    """)
+    assert f'conditioning_data_dir "{tmp_path / "nowhere"}" is not a folder' in text
+
+
+def test_masked_loss_needs_a_mask_source(tmp_path, caplog):
+    img = tmp_path / "img"
+    img.mkdir()
+    config = f"""
+        [general]
+        resolution = 64
+        [[datasets]]
+        [[datasets.subsets]]
+        image_dir = "{img}"
+    """
+    text = masked_problems(tmp_path, config)
+    assert text.startswith("--masked_loss: no subset has a loss mask; add --alpha_mask")
+    assert 'conditioning_data_dir = "..."' in text
+    masked(tmp_path, config, masked_loss=False)  # no masked loss, no mask: fine
+    masked(tmp_path, config + f'[[datasets.subsets]]\nimage_dir = "{tmp_path}"\nalpha_mask = true\n')
+    assert "--masked_loss: 1 subset(s) have no mask and train on every pixel" in caplog.text
+
+
+def cli_problems(masked_loss: bool = True, **kw) -> str:
+    with pytest.raises(UserError) as info:
+        load_dataset_specs(DataConfig(resolution=(64, 64), **kw), masked_loss)
+    return "\n".join(info.value.messages)
+
+
+def test_cli_conditioning_data_dir_mirrors_the_train_folders(tmp_path):
+    for name in ("train/10_a", "train/2_b", "reg/1_r", "masks/10_a", "masks/2_b"):
+        (tmp_path / name).mkdir(parents=True)
+    spec = load_dataset_specs(DataConfig(train_data_dir=str(tmp_path / "train"), reg_data_dir=str(tmp_path / "reg"),
+                                         conditioning_data_dir=str(tmp_path / "masks"), resolution=(64, 64)), True)
+    got = {s.image_dir: s.conditioning_data_dir for s in spec.datasets[0].subsets}
+    assert got == {str(tmp_path / "train/10_a"): str(tmp_path / "masks/10_a"),
+                   str(tmp_path / "train/2_b"): str(tmp_path / "masks/2_b"), str(tmp_path / "reg/1_r"): None}
+    assert [s.class_tokens for s in spec.datasets[0].subsets] == ["a", "b", "r"]
+
+
+def test_cli_conditioning_data_dir_problems(tmp_path, caplog):
+    (tmp_path / "train/10_a").mkdir(parents=True)
+    (tmp_path / "masks").mkdir()
+    (tmp_path / "masks/a.png").write_bytes(b"")
+    train, masks = str(tmp_path / "train"), str(tmp_path / "masks")
+    text = cli_problems(train_data_dir=train, conditioning_data_dir=masks)
+    assert f'--conditioning_data_dir "{masks}": no folder "10_a" with the masks of "{tmp_path / "train/10_a"}" ' \
+           f'(it holds files directly: move the masks into {tmp_path / "masks/10_a"})' in text
+    text = cli_problems(train_data_dir=train, conditioning_data_dir=masks, alpha_mask=True, masked_loss=False)
+    assert "--conditioning_data_dir (mask images) is used only with --masked_loss" in text
+    assert "--alpha_mask and --conditioning_data_dir are two sources of the loss mask; keep one" in text
+    assert "not with --in_json" in cli_problems(in_json=str(tmp_path / "m.json"), conditioning_data_dir=masks)
+    img = tmp_path / "img"
+    img.mkdir()
+    path = write(tmp_path, f'[general]\nresolution = 64\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{img}"\n'
+                           "alpha_mask = true\n")
+    load_dataset_specs(DataConfig(dataset_config=str(path), conditioning_data_dir=masks), True)
+    assert "--conditioning_data_dir ignored because --dataset_config is given" in caplog.text
