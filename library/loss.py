@@ -2,7 +2,9 @@
 ``train_util.conditional_loss``, ``train_util.get_huber_threshold_if_needed`` and ``custom_train_functions``).
 
 Everything is computed in fp32 with reduction "none" until the final batch mean. ``alphas_cumprod`` is the noise
-scheduler's ᾱ (after any zero-terminal-SNR rescale); it may live on another device than the timesteps.
+scheduler's ᾱ (after any zero-terminal-SNR rescale) and feeds the Huber schedule; ``all_snr`` is the per-timestep SNR
+table of the loss weights (``noise.loss_weight_snr``: sd-scripts' ``all_snr``, taken before any zero-terminal-SNR
+rescale). Either may live on another device than the timesteps.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from library.config import LossConfig
-from library.noise import snr
 
 SNR_CAP = 1000.0
 
@@ -71,10 +72,10 @@ def per_sample_loss(pred: torch.Tensor, target: torch.Tensor, timesteps: torch.T
     return loss.mean(dim=list(range(1, loss.ndim)))
 
 
-def apply_snr_weights(loss: torch.Tensor, timesteps: torch.Tensor, cfg: LossConfig, alphas_cumprod: torch.Tensor,
+def apply_snr_weights(loss: torch.Tensor, timesteps: torch.Tensor, cfg: LossConfig, all_snr: torch.Tensor,
                       v_parameterization: bool) -> torch.Tensor:
     """The timestep weightings of sd-scripts' ``train_network.post_process_loss``, applied to the per-sample loss
-    [B] in this order, with ``snr`` = ᾱ/(1 - ᾱ) and ``snr' = min(snr, 1000)``:
+    [B] in this order, with ``snr = all_snr[t]`` (ᾱ/(1 - ᾱ) per timestep) and ``snr' = min(snr, 1000)``:
 
     * ``min_snr_gamma`` (Min-SNR, Hang et al. 2023, "Efficient Diffusion Training via Min-SNR Weighting
       Strategy"): × ``min(snr, γ) / snr`` (ε-prediction) or × ``min(snr, γ) / (snr + 1)`` (v-prediction);
@@ -86,9 +87,12 @@ def apply_snr_weights(loss: torch.Tensor, timesteps: torch.Tensor, cfg: LossConf
     * ``debiased_estimation_loss`` (Yu et al. 2024, "Unmasking Bias in Diffusion Model Training"):
       × ``1 / sqrt(snr')`` (ε) or × ``1 / (snr' + 1)`` (v); ``custom_train_functions.apply_debiased_estimation``.
 
-    Like sd-scripts, Min-SNR with ε-prediction divides by an SNR of 0 at a zero-SNR terminal timestep.
+    With ``--zero_terminal_snr`` sd-scripts builds ``all_snr`` before it rescales the betas
+    (``train_network.get_noise_scheduler``), so these weights stay those of the original schedule and are finite at
+    t = 999 (min-SNR ε weight 1, debiased ε weight 14.6 there) although the noising reaches SNR 0; pass
+    ``noise.loss_weight_snr(scheduler)`` to get the same table.
     """
-    ratio = snr(alphas_cumprod, timesteps).to(loss.device)
+    ratio = all_snr.to(device=timesteps.device, dtype=torch.float32)[timesteps].to(loss.device)
     capped = torch.clamp(ratio, max=SNR_CAP)
     if cfg.min_snr_gamma:
         clipped = torch.clamp(ratio, max=cfg.min_snr_gamma)
@@ -103,7 +107,7 @@ def apply_snr_weights(loss: torch.Tensor, timesteps: torch.Tensor, cfg: LossConf
 
 
 def training_loss(pred: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor, sample_weights: torch.Tensor,
-                  cfg: LossConfig, alphas_cumprod: torch.Tensor, v_parameterization: bool,
+                  cfg: LossConfig, alphas_cumprod: torch.Tensor, all_snr: torch.Tensor, v_parameterization: bool,
                   mask: torch.Tensor | None = None) -> torch.Tensor:
     """The scalar training loss of a batch (fp32), in sd-scripts' ``train_network.py`` order: ``per_sample_loss``
     (with the optional mask), × ``sample_weights`` [B] (the dataset's loss weights: ``prior_loss_weight`` for
@@ -111,4 +115,4 @@ def training_loss(pred: torch.Tensor, target: torch.Tensor, timesteps: torch.Ten
     """
     loss = per_sample_loss(pred, target, timesteps, cfg, alphas_cumprod, mask)
     loss = loss * sample_weights.to(device=loss.device, dtype=torch.float32)
-    return apply_snr_weights(loss, timesteps, cfg, alphas_cumprod, v_parameterization).mean()
+    return apply_snr_weights(loss, timesteps, cfg, all_snr, v_parameterization).mean()

@@ -187,7 +187,12 @@ def apply_zero_terminal_snr(scheduler: BetaSchedule) -> None:
     """Rescale a diffusers ``DDPMScheduler`` in place to zero terminal SNR: replaces its ``betas``, ``alphas`` and
     ``alphas_cumprod`` (Lin et al. 2023), as sd-scripts' ``fix_noise_scheduler_betas_for_zero_terminal_snr`` does.
     Call it once, when ``--zero_terminal_snr`` is set, before training.
+
+    The noising and the targets then use the rescaled ᾱ, but the loss weights do not: sd-scripts'
+    ``train_network.get_noise_scheduler`` stores the SNR table (``all_snr``) before it rescales the betas, so
+    ``loss_weight_snr`` is fixed here first and keeps the SNR of the original schedule (finite at t = 999).
     """
+    loss_weight_snr(scheduler)
     betas = rescale_zero_terminal_snr(scheduler.betas)
     alphas = 1.0 - betas
     scheduler.betas = betas
@@ -195,11 +200,29 @@ def apply_zero_terminal_snr(scheduler: BetaSchedule) -> None:
     scheduler.alphas_cumprod = torch.cumprod(alphas, dim=0)
 
 
+def snr_table(alphas_cumprod: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio ``ᾱ / (1 - ᾱ)`` of every timestep, fp32, computed as ``(sqrt(ᾱ) / sqrt(1 - ᾱ))**2``
+    like sd-scripts' ``custom_train_functions.prepare_scheduler_for_custom_training``."""
+    alpha_bar = alphas_cumprod.to(torch.float32)
+    return (alpha_bar.sqrt() / (1.0 - alpha_bar).sqrt()) ** 2
+
+
+def loss_weight_snr(scheduler: NoiseSchedule) -> torch.Tensor:
+    """The per-timestep SNR table that the loss weights read (min-SNR, debiased estimation, v-prediction-like
+    scaling): sd-scripts' ``noise_scheduler.all_snr``. It is computed from the scheduler's ᾱ the first time it is
+    asked for and then kept on the scheduler (as sd-scripts keeps ``all_snr``), so a later
+    ``apply_zero_terminal_snr`` does not change it.
+    """
+    table = getattr(scheduler, "all_snr", None)
+    if table is None:
+        table = snr_table(scheduler.alphas_cumprod)
+        scheduler.all_snr = table
+    return table
+
+
 def snr(schedule: NoiseSchedule | torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-    """Signal-to-noise ratio ``ᾱ_t / (1 - ᾱ_t)`` per timestep, fp32, on the timesteps' device. Accepts a scheduler
-    or its ``alphas_cumprod``. Computed as ``(sqrt(ᾱ) / sqrt(1 - ᾱ))**2`` like sd-scripts'
-    ``custom_train_functions.prepare_scheduler_for_custom_training`` (``all_snr``); it is 0 at a zero-SNR terminal.
+    """Signal-to-noise ratio ``ᾱ_t / (1 - ᾱ_t)`` at ``timesteps`` (as ``snr_table``), fp32, on the timesteps' device.
+    Accepts a scheduler or its ``alphas_cumprod``; it is 0 at a zero-SNR terminal.
     """
     alphas_cumprod = schedule if isinstance(schedule, torch.Tensor) else schedule.alphas_cumprod
-    alpha_bar = alphas_cumprod.to(device=timesteps.device, dtype=torch.float32)[timesteps]
-    return (alpha_bar.sqrt() / (1.0 - alpha_bar).sqrt()) ** 2
+    return snr_table(alphas_cumprod.to(timesteps.device)[timesteps])

@@ -19,7 +19,7 @@ import torch
 from library.config import LossConfig, NoiseConfig
 from library.loss import training_loss
 from library.model_parts import SDModel
-from library.noise import noisy_latents, sample_noise, sample_timesteps, training_target
+from library.noise import loss_weight_snr, noisy_latents, sample_noise, sample_timesteps, training_target
 from library.precision import PrecisionPolicy
 from library.text_encoding import encode_text, tokenize
 
@@ -77,4 +77,5 @@ class BatchLoss:
         weights = batch["loss_weights"].to(self.device)
         mask = batch["loss_masks"].to(self.device) if "loss_masks" in batch else None
         return training_loss(pred.float(), target.float(), timesteps, weights, self.loss,
-                             scheduler.alphas_cumprod.to(self.device), self.model.v_parameterization, mask)
+                             scheduler.alphas_cumprod.to(self.device), loss_weight_snr(scheduler).to(self.device),
+                             self.model.v_parameterization, mask)

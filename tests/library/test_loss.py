@@ -1,7 +1,7 @@
 """Loss functions, Huber schedules and SNR weightings (library/loss.py) against hand-computed values.
 
 ᾱ and the SNR are recomputed here from the DDPM betas with numpy (float64); the code under test receives the same ᾱ
-as a float32 tensor, as it gets it from a diffusers scheduler.
+and SNR table as float32 tensors, as it gets them from a diffusers scheduler.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ torch.set_num_threads(1)
 
 ALPHA_BAR = np.cumprod(1.0 - np.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=np.float64) ** 2)
 ALPHAS_CUMPROD = torch.tensor(ALPHA_BAR, dtype=torch.float32)
+ALL_SNR = torch.tensor(ALPHA_BAR / (1.0 - ALPHA_BAR), dtype=torch.float32)
 T = [0, 1, 100, 500, 999]
 TIMESTEPS = torch.tensor(T)
 SNR = ALPHA_BAR[T] / (1.0 - ALPHA_BAR[T])
@@ -26,7 +27,7 @@ CAPPED = np.minimum(SNR, 1000.0)
 
 
 def weights(cfg: LossConfig, v: bool) -> np.ndarray:
-    return apply_snr_weights(torch.ones(len(T)), TIMESTEPS, cfg, ALPHAS_CUMPROD, v).double().numpy()
+    return apply_snr_weights(torch.ones(len(T)), TIMESTEPS, cfg, ALL_SNR, v).double().numpy()
 
 
 def test_the_first_snr_exceeds_the_cap():
@@ -161,7 +162,7 @@ def test_all_weights_combined_in_sd_scripts_order():
 
 def test_no_weighting_leaves_the_loss_unchanged():
     loss = torch.tensor([0.3, 1.0, 2.0, 0.1, 5.0])
-    assert torch.equal(apply_snr_weights(loss, TIMESTEPS, LossConfig(), ALPHAS_CUMPROD, False), loss)
+    assert torch.equal(apply_snr_weights(loss, TIMESTEPS, LossConfig(), ALL_SNR, False), loss)
 
 
 # --- training loss ----------------------------------------------------------------------------------------------
@@ -174,6 +175,56 @@ def test_training_loss_weights_samples_then_snr_then_means():
     per_sample = np.array([1.0, 4.0, 9.0]) * [1.0, 0.5, 1.0]
     expected = np.mean(per_sample * np.minimum(snr_t, 5) / snr_t)
     got = training_loss(pred, target, torch.tensor(t), sample_weights, LossConfig(min_snr_gamma=5.0),
-                        ALPHAS_CUMPROD, False)
+                        ALPHAS_CUMPROD, ALL_SNR, False)
     assert got.dtype == torch.float32 and got.ndim == 0
     assert float(got) == pytest.approx(expected, rel=1e-5)
+
+
+# --- zero terminal SNR ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def zero_terminal_scheduler():
+    """sd-scripts' training scheduler after ``--zero_terminal_snr`` (``train_network.get_noise_scheduler``)."""
+    diffusers = pytest.importorskip("diffusers")
+    from library.noise import apply_zero_terminal_snr
+
+    sched = diffusers.DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                    num_train_timesteps=1000, clip_sample=False)
+    apply_zero_terminal_snr(sched)
+    return sched
+
+
+def test_zero_terminal_snr_keeps_the_original_snr_for_the_weights(zero_terminal_scheduler):
+    # sd-scripts computes all_snr before fix_noise_scheduler_betas_for_zero_terminal_snr, so the weights are those of
+    # the original schedule: finite at t = 999 (ε min-SNR 1 since snr < γ there; debiased 1/sqrt(snr) ≈ 14.6),
+    # although the rescaled ᾱ is 0 there. Values measured with upstream 48d368fa: 1.0 and 14.6146 at t = 999.
+    from library.noise import loss_weight_snr
+
+    t = [1, 100, 250, 999]
+    table = loss_weight_snr(zero_terminal_scheduler)
+    assert float(zero_terminal_scheduler.alphas_cumprod[999]) == 0.0
+    snr_t = ALPHA_BAR[t] / (1.0 - ALPHA_BAR[t])
+    ones = torch.ones(len(t))
+    for cfg, v, expected in [
+        (LossConfig(min_snr_gamma=5.0), False, np.minimum(snr_t, 5) / snr_t),
+        (LossConfig(min_snr_gamma=5.0), True, np.minimum(snr_t, 5) / (snr_t + 1)),
+        (LossConfig(debiased_estimation_loss=True), False, 1 / np.sqrt(snr_t)),
+        (LossConfig(scale_v_pred_loss_like_noise_pred=True), True, snr_t / (snr_t + 1)),
+        (LossConfig(v_pred_like_loss=0.1), False, 1 + 0.1 * (snr_t + 1) / snr_t),
+    ]:
+        got = apply_snr_weights(ones, torch.tensor(t), cfg, table, v).double().numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-4)
+    assert apply_snr_weights(torch.ones(1), torch.tensor([999]), LossConfig(debiased_estimation_loss=True),
+                             table, False).item() == pytest.approx(14.6146, rel=1e-4)
+
+
+def test_zero_terminal_snr_huber_c_uses_the_rescaled_schedule(zero_terminal_scheduler):
+    # sd-scripts' get_huber_threshold_if_needed reads noise_scheduler.alphas_cumprod, which is rescaled: ᾱ = 0 at
+    # t = 999 gives σ = inf and c = huber_c there.
+    from library.noise import loss_weight_snr
+
+    pred, target = constant_error_batch([1.0])
+    cfg = LossConfig(loss_type="smooth_l1", huber_schedule="snr", huber_c=0.1)
+    got = training_loss(pred, target, torch.tensor([999]), torch.ones(1), cfg, zero_terminal_scheduler.alphas_cumprod,
+                        loss_weight_snr(zero_terminal_scheduler), False)
+    assert float(got) == pytest.approx(2 * (math.sqrt(1 + 0.1**2) - 0.1), rel=1e-5)

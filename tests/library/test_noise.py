@@ -322,3 +322,19 @@ def test_apply_zero_terminal_snr_to_a_ddpm_scheduler():
     assert float(sched.alphas_cumprod[0]) == pytest.approx(first, rel=1e-6)
     torch.testing.assert_close(sched.alphas, 1 - sched.betas)
     assert float(snr(sched, torch.tensor([999]))[0]) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_zero_terminal_snr_rescales_the_noising_but_not_the_weighting_snr():
+    # sd-scripts' get_noise_scheduler: prepare_scheduler_for_custom_training (all_snr) first, then the rescale, so
+    # add_noise reaches pure noise at t = 999 while all_snr keeps the original ᾱ / (1 - ᾱ).
+    diffusers = pytest.importorskip("diffusers")
+    from library.noise import loss_weight_snr
+
+    sched = diffusers.DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                    num_train_timesteps=1000, clip_sample=False)
+    apply_zero_terminal_snr(sched)
+    alpha_bar = numpy_alphas_cumprod()
+    np.testing.assert_allclose(loss_weight_snr(sched).numpy(), alpha_bar / (1 - alpha_bar), rtol=1e-4)
+    latents, noise = torch.ones(1, 1, 2, 2), torch.full((1, 1, 2, 2), 2.0)
+    noisy = noisy_latents(sched, latents, noise, torch.tensor([999]), NoiseConfig(), gen())
+    torch.testing.assert_close(noisy, noise)
