@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -56,6 +56,8 @@ def run(cfg: TrainConfig) -> RunResult:
                       max_train_steps=cfg.schedule.max_train_steps, max_train_epochs=cfg.schedule.max_train_epochs)
     for line in data.summary() + describe(plan, data.num_train_images, data.num_reg_images):
         log.info(line)
+    lr_schedule = optimizer_setup.plan_schedule(cfg.schedule, choice, plan, cfg.optimizer.learning_rate)
+    cfg = replace(cfg, schedule=replace(cfg.schedule, lr_scheduler=lr_schedule.name))  # as ss_lr_scheduler records it
     resume = read_state(cfg.save.resume) if cfg.save.resume else None
 
     torch.manual_seed(seed)
@@ -70,7 +72,7 @@ def run(cfg: TrainConfig) -> RunResult:
         model_setup.cache_latents(data, model, policy, device, cfg.data)
     groups, descriptions = network_setup.param_groups(network, cfg.optimizer)
     optimizer = optimizer_setup.build_optimizer(choice, groups, cfg.optimizer.learning_rate)
-    scheduler = optimizer_setup.build_scheduler(optimizer, cfg.schedule, choice, plan, cfg.optimizer.learning_rate)
+    scheduler = optimizer_setup.build_scheduler(optimizer, lr_schedule)
     for warning in optimizer_setup.optimizer_warnings(choice, groups, cfg.schedule, cfg.precision.full_bf16, plan):
         log.warning(warning)
     log.info(policy.describe(optimizer_setup.optimizer_state_label(choice, policy)))

@@ -121,3 +121,22 @@ def test_optimizer_families_from_the_cli(tmp_path, optimizer, extra):
     state = load_file(tmp_path / "lora.safetensors")
     assert all(torch.isfinite(v).all() for v in state.values())
     assert optimizer.lower() in _meta(tmp_path / "lora.safetensors")["ss_optimizer"].lower()
+
+
+def test_lr_schedule_metadata_as_sd_scripts_writes_it(tmp_path):
+    # train_network.py writes ss_lr_scheduler = args.lr_scheduler, which get_optimizer sets to f"adafactor:{lr}" for
+    # Adafactor in relative-step mode, and ss_lr_warmup_steps = args.lr_warmup_steps as parsed ("50%" -> 0.5).
+    args = train_args(tmp_path / "a", "--optimizer_type", "Adafactor", "--max_train_steps", "1")
+    assert train_network.main(args) == 0
+    assert _meta(tmp_path / "a" / "lora.safetensors")["ss_lr_scheduler"] == "adafactor:0.001"
+    args = train_args(tmp_path / "p", "--lr_scheduler", "piecewise_constant", "--lr_scheduler_args",
+                      "step_rules='1:1,0.5'", "--lr_warmup_steps", "50%", "--max_train_steps", "2")
+    assert train_network.main(args) == 0
+    meta = _meta(tmp_path / "p" / "lora.safetensors")
+    assert (meta["ss_lr_scheduler"], meta["ss_lr_warmup_steps"]) == ("piecewise_constant", "0.5")
+
+
+def test_a_refused_schedule_stops_before_writing(tmp_path):
+    args = train_args(tmp_path / "out", "--lr_scheduler", "polynomial", "--lr_warmup_steps", "1.0")
+    assert train_network.main(args) == 2
+    assert not (tmp_path / "out").exists()

@@ -63,8 +63,6 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.optimizer.fused_backward_pass and cfg.schedule.gradient_accumulation_steps > 1:
         problems.append("--fused_backward_pass steps each parameter as soon as its gradient exists, so gradients "
                         "cannot be accumulated; use --gradient_accumulation_steps 1 or drop --fused_backward_pass")
-    if cfg.schedule.lr_scheduler == "constant" and cfg.schedule.lr_warmup_steps:
-        problems.append("--lr_scheduler constant has no warm-up; use constant_with_warmup with --lr_warmup_steps")
     if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
         for name, on in (("--color_aug", cfg.data.color_aug), ("--random_crop", cfg.data.random_crop)):
             if on:
