@@ -23,6 +23,7 @@ from library.schedule import (
     StepPlan,
     build_lr_scheduler,
     find_schedule,
+    has_warmup,
     lr_shape,
     resolve_steps,
     schedule_problems,
@@ -104,11 +105,10 @@ def _resolve_schedule(cfg: ScheduleConfig, choice: OptimizerChoice, learning_rat
     options = _scheduler_args(cfg)
     if choice.schedule_free:
         return ScheduleChoice(cfg.lr_scheduler, schedule_free=True)
-    warmup = resolve_steps(cfg.lr_warmup_steps, total) if total is not None else cfg.lr_warmup_steps
-    has_warmup = bool(warmup) if total is not None or isinstance(warmup, int) else False
+    warms_up = has_warmup(cfg, total)
     if cfg.lr_scheduler_type:
         problems = _class_problems(cfg.lr_scheduler_type, options, choice)
-        if has_warmup:
+        if warms_up:
             problems.append(f"--lr_scheduler_type {cfg.lr_scheduler_type} is built with --lr_scheduler_args only, "
                             "so it has no warm-up (sd-scripts refuses one); drop --lr_warmup_steps")
         if problems:
@@ -116,7 +116,7 @@ def _resolve_schedule(cfg: ScheduleConfig, choice: OptimizerChoice, learning_rat
         return ScheduleChoice(cfg.lr_scheduler, scheduler_class=_scheduler_class(cfg.lr_scheduler_type),
                               options=options)
     if choice.adafactor_schedule:
-        if has_warmup:
+        if warms_up:
             raise UserError("--lr_warmup_steps: Adafactor with relative_step=True runs the adafactor schedule, which "
                             "has no warm-up (sd-scripts refuses one); drop --lr_warmup_steps (warmup_init=True in "
                             "--optimizer_args is Adafactor's own warm-up), or pass --optimizer_args "

@@ -4,8 +4,11 @@ The arithmetic reproduces sd-scripts' ``train_network.py`` (SD_SCRIPTS_BEHAVIOR.
 ``--max_train_epochs`` always wins and becomes ``epochs · ceil(batches / processes / accumulation)``
 updates; the epoch count follows from the update count; ``global_step`` counts optimizer updates; the
 LR schedule ticks once per update, so accumulation does not stretch it and warm-up is in updates.
-The schedule shapes are those of ``transformers.get_scheduler`` that sd-scripts exposes, written as
-pure functions of the update index so they can be tested and plotted directly.
+
+The built-in LR schedules are those that sd-scripts' ``train_util.get_scheduler_fix`` builds from transformers'
+and diffusers' schedule functions, with the arguments that wrapper passes (``lr_shape``), written as a pure
+function of the update index (``lr_factor``) so they can be tested and plotted directly. Everything sd-scripts
+cannot run is reported by ``schedule_problems`` before the models load.
 """
 
 from __future__ import annotations
@@ -212,6 +215,14 @@ def resolve_steps(value: int | float, total: int) -> int:
     return int(value * total) if isinstance(value, float) else int(value)
 
 
+def has_warmup(cfg: ScheduleConfig, total: int | None) -> bool:
+    """Whether the run warms up, as sd-scripts decides it (on the resolved count, so a ratio that rounds to 0 updates
+    is no warm-up). Without ``total`` only a count can tell; a ratio is then taken as none."""
+    if total is None:
+        return isinstance(cfg.lr_warmup_steps, int) and cfg.lr_warmup_steps != 0
+    return resolve_steps(cfg.lr_warmup_steps, total) != 0
+
+
 def find_schedule(name: str) -> ScheduleSpec | None:
     """The built-in schedule of that ``--lr_scheduler`` name (case-insensitive), or None."""
     return LR_SCHEDULERS.get(name.strip().lower())
@@ -259,6 +270,9 @@ def _option_problems(spec: ScheduleSpec, options: dict[str, Any], learning_rate:
         if min_lr_ratio is None and "min_lr" not in options:
             problems.append("--lr_scheduler cosine_with_min_lr needs its floor: give --lr_scheduler_min_lr_ratio "
                             "(e.g. 0.1 for a tenth of the LR) or --lr_scheduler_args min_lr=<absolute LR>")
+        if "min_lr" in options and not learning_rate > 0:
+            problems.append("--lr_scheduler_args min_lr is turned into a ratio of --learning_rate, which is 0; use "
+                            "--lr_scheduler_min_lr_ratio or a positive --learning_rate")
         if min_lr_ratio is not None and "min_lr" in options:
             problems.append("--lr_scheduler cosine_with_min_lr: give either --lr_scheduler_min_lr_ratio or "
                             "--lr_scheduler_args min_lr=..., not both")
@@ -295,15 +309,14 @@ def schedule_problems(cfg: ScheduleConfig, options: dict[str, Any], *, learning_
     for flag_name, value in (("--lr_warmup_steps", cfg.lr_warmup_steps), ("--lr_decay_steps", cfg.lr_decay_steps)):
         if value < 0:
             problems.append(f"{flag_name} {value}: must not be negative")
-    warmup = resolve_steps(cfg.lr_warmup_steps, total) if total is not None else cfg.lr_warmup_steps
-    if spec.warmup == "refused" and isinstance(warmup, int) and warmup != 0:
+    if spec.warmup == "refused" and has_warmup(cfg, total):
         problems.append("--lr_scheduler constant has no warm-up; use constant_with_warmup with --lr_warmup_steps")
     if spec.name == "inverse_sqrt" and cfg.lr_scheduler_timescale is not None and cfg.lr_scheduler_timescale < 1:
         problems.append(f"--lr_scheduler_timescale {cfg.lr_scheduler_timescale}: must be at least 1 (leave it "
                         "out to use the warm-up length)")
     problems += _option_problems(spec, options, learning_rate, cfg.lr_scheduler_min_lr_ratio)
-    if spec.name == "polynomial" and total is not None and warmup == total:
-        problems.append(f"--lr_scheduler polynomial: the warm-up ({warmup} updates) is the whole run, so nothing "
+    if spec.name == "polynomial" and total is not None and resolve_steps(cfg.lr_warmup_steps, total) == total:
+        problems.append(f"--lr_scheduler polynomial: the warm-up ({total} updates) is the whole run, so nothing "
                         "is left to decay (sd-scripts divides by zero at the last update); shorten "
                         "--lr_warmup_steps or use constant_with_warmup")
     return problems
