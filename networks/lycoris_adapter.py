@@ -18,11 +18,25 @@ and keep ``ss_network_module = "lycoris.kohya"`` in the metadata. It calls ``lyc
 
 Dropouts: ``neuron_dropout`` (``--network_dropout``) becomes LyCORIS's ``dropout`` unless network_args give one, as
 sd-scripts' trainer does; ``dropout``, ``rank_dropout`` and ``module_dropout`` must be probabilities in [0, 1).
+
+The arguments reach ``lycoris.kohya.create_network`` unchanged, so a network is built exactly as under sd-scripts. The
+kohya_ss GUI writes every LyCORIS option it shows (``preset=full use_tucker=False bypass_mode=False dora_wd=False
+...``); ``create_network`` (lycoris-lora 4.1.3, and the 3.2 the GUI installs) parses most of them, but two quirks
+change or drop what the GUI asked for, and each is logged here instead of passing silently:
+
+* ``rank_dropout_scale`` and ``train_on_input`` are never read (the modules keep their defaults, off): a warning
+  when the GUI asked for them on;
+* ``decompose_both`` is handed on as text, and LoKr tests the text for truth, so ``decompose_both=False`` turns
+  the decomposition on: a warning naming the fix (leave the argument out).
+
+A network LyCORIS cannot build from the arguments (e.g. DyLoRA's ``block_size`` not dividing a rank, BOFT on a
+layer width it cannot factor) is a ``UserError`` naming the arguments instead of an assertion.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -31,8 +45,11 @@ import torch
 from lycoris import kohya
 from torch import nn
 
+from library.errors import UserError
 from networks.args import parse_probability
 from networks.lora import save_weights_file
+
+log = logging.getLogger(__name__)
 
 _DUPLICATED_CLASS = "TimestepEmbedding"
 _DUPLICATED_NAMES = ("time_embedding.linear_1", "time_embedding.linear_2")
@@ -75,6 +92,28 @@ def _deduplicated(preset: Mapping[str, Any]) -> dict[str, Any]:
     return preset
 
 
+# network_args that lycoris.kohya.create_network does not read, with the algorithm they would matter for
+_NOT_READ = {"rank_dropout_scale": None, "train_on_input": "ia3"}
+
+
+def _is_false_text(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off")
+
+
+def _warn_about_unread_args(kwargs: Mapping[str, Any]) -> None:
+    """Log the GUI's LyCORIS options that ``create_network`` drops or misreads (see the module docstring)."""
+    algo = str(kwargs.get("algo") or "lora").lower()
+    for key, only_for in _NOT_READ.items():
+        value = kwargs.get(key)
+        if value is not None and not _is_false_text(value) and only_for in (None, algo):
+            log.warning("network_args %s=%s: lycoris.kohya does not read this option (nor under sd-scripts), so it "
+                        "stays off; remove it", key, value)
+    if algo == "lokr" and _is_false_text(kwargs.get("decompose_both")):
+        log.warning("network_args decompose_both=%s: lycoris.kohya passes the text on and LoKr treats any non-empty "
+                    "text as true, so both LoKr matrices ARE decomposed (as under sd-scripts); leave decompose_both "
+                    "out to keep it off", kwargs["decompose_both"])
+
+
 @contextlib.contextmanager
 def _without_duplicate_targets() -> Iterator[None]:
     """Deduplicate the built-in presets (restored afterwards) and the class's current targets."""
@@ -98,9 +137,16 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
         kwargs["dropout"] = neuron_dropout
     for key in ("dropout", "rank_dropout", "module_dropout"):
         parse_probability(key, kwargs.get(key))
-    with _without_duplicate_targets():
-        network = kohya.create_network(multiplier, network_dim, network_alpha, vae, _text_encoder_view(text_encoder),
-                                       unet, **kwargs)
+    _warn_about_unread_args(kwargs)
+    try:
+        with _without_duplicate_targets():
+            network = kohya.create_network(multiplier, network_dim, network_alpha, vae,
+                                           _text_encoder_view(text_encoder), unet, **kwargs)
+    except (AssertionError, ValueError) as exc:
+        given = " ".join(f"{k}={v}" for k, v in kwargs.items())
+        raise UserError(f"--network_module lycoris.kohya --network_dim {network_dim} --network_args {given}: "
+                        f"LyCORIS cannot build this network on this model ({exc}); change the rank, conv_dim or "
+                        "the algorithm's own option (block_size, factor)") from exc
     network.__class__ = KohyaLycorisNetwork
     return network
 

@@ -130,3 +130,42 @@ def test_presets_restored_and_bad_dropout_rejected(make_tiny):
     assert "TimestepEmbedding" in kohya.PRESET["full"]["unet_target_module"]
     with pytest.raises(UserError, match="rank_dropout"):
         lycoris_adapter.create_network(1.0, 4, 1, None, None, None, algo="locon", rank_dropout="1")
+
+
+def test_gui_lokr_args_build_the_network_sd_scripts_builds(make_tiny, caplog):
+    """The kohya_ss GUI's LoKr arguments (lokr-sd15 preset) reach lycoris.kohya as text, as under sd-scripts:
+    ``decompose_both=False`` is non-empty text, which LoKr takes for true (both matrices decomposed), and is logged."""
+    model = make_tiny()
+    gui_args = dict(preset="full", conv_dim="64", conv_alpha="64", use_tucker="False", rank_dropout="0",
+                    bypass_mode="False", dora_wd="False", module_dropout="0", factor="-1", use_cp="False",
+                    use_scalar="False", decompose_both="False", rank_dropout_scale="False", algo="lokr",
+                    train_norm="False")
+    with caplog.at_level("WARNING", logger="networks.lycoris_adapter"):
+        net = lycoris_adapter.create_network(1.0, 2, 1, None, model.text_encoder, model.unet, **gui_args)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "networks.lycoris_adapter"]
+    assert len(warnings) == 1 and "decompose_both=False" in warnings[0] and "leave decompose_both out" in warnings[0]
+    # rank 2 < half of the larger factor: with decompose_both on, w1 is split into w1_a @ w1_b (LyCORIS LokrModule)
+    assert any(hasattr(m, "lokr_w1_a") for m in net.unet_loras)
+    assert all(not m.tucker for m in net.unet_loras)  # use_tucker=False / use_cp=False read as false
+
+
+def test_gui_args_that_lycoris_does_not_read_are_logged(make_tiny, caplog):
+    model = make_tiny()
+    with caplog.at_level("WARNING", logger="networks.lycoris_adapter"):
+        lycoris_adapter.create_network(1.0, 4, 1, None, model.text_encoder, model.unet, preset="full",
+                                       conv_dim="4", conv_alpha="1", train_on_input="True", algo="ia3")
+        lycoris_adapter.create_network(1.0, 4, 1, None, model.text_encoder, model.unet, algo="locon",
+                                       rank_dropout_scale="True")
+        lycoris_adapter.create_network(1.0, 4, 1, None, model.text_encoder, model.unet, algo="locon",
+                                       rank_dropout_scale="False", train_on_input="True")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "networks.lycoris_adapter"]
+    assert len(warnings) == 2
+    assert warnings[0].startswith("network_args train_on_input=True: lycoris.kohya does not read this option")
+    assert warnings[1].startswith("network_args rank_dropout_scale=True: lycoris.kohya does not read this option")
+
+
+def test_arguments_lycoris_cannot_build_are_a_user_error(make_tiny):
+    model = make_tiny()
+    with pytest.raises(UserError, match=r"block_size=4.*LyCORIS cannot build this network.*multiple of block_size"):
+        lycoris_adapter.create_network(1.0, 8, 1, None, model.text_encoder, model.unet, algo="dylora",
+                                       conv_dim="1", block_size="4")
