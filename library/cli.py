@@ -158,7 +158,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     file = Path(path if path.endswith(".toml") else path + ".toml")
     data = _read_toml(file)
     fields = all_fields()
-    known = list(fields) + list(LEGACY_FLAGS) + list(LEGACY_OPTIMIZER_FLAGS)
+    known = list(fields) + list(LEGACY_FLAGS) + list(LEGACY_OPTIMIZER_FLAGS) + list(GUI_ONLY_KEYS)
     values: dict[str, Any] = {}
     seen_in: dict[str, str] = {}
     problems: list[str] = []

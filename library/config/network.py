@@ -11,7 +11,8 @@ from library.config.fields import flag
 class NetworkConfig:
     """The LoRA (or other network module) that is trained."""
 
-    network_module: str = flag("networks.lora", "network module with create_network (networks.lora, lycoris.kohya)")
+    network_module: str = flag("networks.lora", "network module with create_network (networks.lora, "
+                               "networks.lora_fa, lycoris.kohya)")
     network_dim: int | None = flag(None, "LoRA rank (default 4)")
     network_alpha: float | None = flag(None, "LoRA alpha; scale = alpha / rank (default 1)")
     network_dropout: float | None = flag(None, "dropout on the LoRA down-projection outputs (neuron dropout)")
@@ -21,3 +22,19 @@ class NetworkConfig:
     network_train_unet_only: bool = flag(False, "train only the UNet LoRA modules")
     network_train_text_encoder_only: bool = flag(False, "train only the text encoder LoRA modules")
     scale_weight_norms: float | None = flag(None, "max-norm regularization of each LoRA module's weight")
+
+
+# sd-scripts network modules for SD 1.x/2.x that this trainer does not provide, and what to use instead.
+MODULES_NOT_PROVIDED = {
+    "networks.dylora": "sd-scripts' DyLoRA is not provided here; use --network_module lycoris.kohya with "
+                       "--network_args algo=dylora block_size=<unit> (LyCORIS DyLoRA; the kohya_ss GUI's LoRA type "
+                       "\"LyCORIS/DyLoRA\"), or networks.lora for a plain LoRA",
+    "networks.oft": "sd-scripts' OFT is not provided here; use --network_module lycoris.kohya with --network_args "
+                    "algo=diag-oft (LyCORIS Diag-OFT), or networks.lora for a plain LoRA",
+}
+
+
+def network_module_problems(cfg: NetworkConfig) -> list[str]:
+    """A message when ``--network_module`` names an sd-scripts module that this trainer does not have."""
+    instead = MODULES_NOT_PROVIDED.get(cfg.network_module)
+    return [f"--network_module {cfg.network_module}: {instead}"] if instead else []
