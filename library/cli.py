@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from library.config import SECTION_CLASSES, TrainConfig, all_fields, field_default, from_namespace
-from library.config.gui import GUI_ONLY_KEYS, other_family
+from library.config.gui import GUI_ONLY_KEYS, GUI_REFUSED_WHEN_SET, other_family
 from library.errors import UserError, did_you_mean
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     file = Path(path if path.endswith(".toml") else path + ".toml")
     data = _read_toml(file)
     fields = all_fields()
-    known = list(fields) + list(LEGACY_FLAGS) + list(LEGACY_OPTIMIZER_FLAGS) + list(GUI_ONLY_KEYS)
+    known = [*fields, *LEGACY_FLAGS, *LEGACY_OPTIMIZER_FLAGS, *GUI_ONLY_KEYS, *GUI_REFUSED_WHEN_SET]
     values: dict[str, Any] = {}
     seen_in: dict[str, str] = {}
     problems: list[str] = []
@@ -173,6 +173,9 @@ def read_config_file(path: str) -> dict[str, Any]:
             name = LEGACY_FLAGS.get(key, key)
             if name in GUI_ONLY_KEYS:
                 gui_fields.append(key)
+            elif name in GUI_REFUSED_WHEN_SET:
+                if value:
+                    problems.append(f"{loc} {key} = {value!r}: {GUI_REFUSED_WHEN_SET[name]}")
             elif name not in fields and name not in LEGACY_OPTIMIZER_FLAGS:
                 family = other_family(key)
                 if family is not None:

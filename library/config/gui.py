@@ -1,16 +1,24 @@
-"""Keys that the kohya_ss GUI (bmaltais/kohya_ss ``kohya_gui/lora_gui.py``) writes into the ``--config_file`` TOML
-although sd-scripts' ``train_network.py`` has no such flag. sd-scripts ignores every unknown key silently; here a
-GUI key is accepted with one info line, and any other unknown key stays an error with a did-you-mean.
+"""Keys that the kohya_ss GUI (bmaltais/kohya_ss ``kohya_gui/lora_gui.py`` ``train_model``, checked at 45088f04)
+writes into the ``--config_file`` TOML although sd-scripts' ``train_network.py`` (48d368fa) has no such flag.
+sd-scripts ignores every unknown key silently; here a GUI key that changes nothing is accepted with one info line, a
+GUI key that asks for a feature this trainer lacks is refused when set, and any other unknown key stays an error with
+a did-you-mean. The GUI drops every value that is "", False, 0 or None before writing, so a key it writes is set.
 """
 
 from __future__ import annotations
 
 # GUI fields that never change training: the GUI also writes the flags that do.
 GUI_ONLY_KEYS: dict[str, str] = {
-    "epoch": "the GUI's epoch box; the GUI also writes max_train_epochs, which is what sets the run length",
+    "epoch": "the GUI's Epoch box; when its Max train steps box is 0 the GUI turns it into max_train_steps, which it "
+             "writes too",
     "noise_offset_type": "the GUI's noise menu; noise_offset / multires_noise_iterations are what set the noise",
     "stop_text_encoder_training": "an option of sd-scripts' train_db.py, which train_network.py ignores too",
-    "train_inpainting": "an option of sd-scripts' inpainting trainers, which train_network.py ignores too",
+}
+
+# GUI fields for features of a newer sd-scripts that this trainer does not have: accepted when off, refused when on.
+GUI_REFUSED_WHEN_SET: dict[str, str] = {
+    "train_inpainting": "inpainting training (a 9-channel U-Net on random masks, in sd-scripts after 48d368fa) is not "
+                        "supported here; untick \"Train inpainting model\" in the GUI, or remove the key",
 }
 
 # Keys the GUI writes only for model families that train_network.py does not train.
