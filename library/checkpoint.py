@@ -1,21 +1,29 @@
-"""Writing LoRA files and training state, atomically, with sd-scripts' names.
+"""Writing LoRA files and training states with sd-scripts' names, cadence and pruning.
 
-File names (sd-scripts ``train_util.get_epoch_ckpt_name`` / ``get_step_ckpt_name``):
-``<name>.<ext>`` at the end, ``<name>-<epoch:06d>.<ext>`` per epoch, ``<name>-step<step:08d>.<ext>`` per
-step. ``--save_last_n_epochs`` / ``--save_last_n_steps`` prune older saves of the same kind. Every file
-is written under a temporary name and renamed, so an interrupted run (Ctrl-C, SIGTERM, power loss)
-never leaves a truncated file and the previous checkpoint stays intact.
+Names (sd-scripts ``train_util.get_epoch_ckpt_name`` / ``get_step_ckpt_name`` / ``get_last_ckpt_name`` and the
+``*_STATE_NAME`` patterns): ``<name>-<epoch:06d>.<ext>`` per epoch, ``<name>-step<step:08d>.<ext>`` per step,
+``<name>.<ext>`` at the end, each state the same stem plus ``-state``. ``<name>`` is ``--output_name``; without it
+sd-scripts uses "epoch" for epoch saves, "at" for step saves and "last" for the final one.
 
-State for ``--resume`` (``--save_state``) is a folder ``<name>-<epoch:06d>-state`` / ``<name>-state``
-holding the LoRA weights, optimizer and scheduler state, RNG states and ``train_state.json`` (epoch,
-step, and the resolved config), written to ``<folder>.tmp`` and renamed.
+Cadence (``train_network.py``): a step save whenever ``global_step % --save_every_n_steps == 0`` (the last step
+too); an epoch save after epoch e (1-based) when ``e % n == 0`` and e is not the last epoch, where n is
+``--save_every_n_epochs``, or ``floor(epochs / --save_n_epoch_ratio)`` (at least 1) when the ratio is given; the
+final file at the end. A state is written beside every save with ``--save_state``, and at the end with
+``--save_state`` or ``--save_state_on_train_end``.
+
+Pruning (``train_util.get_remove_epoch_no`` / ``get_remove_step_no`` and ``save_and_remove_state_*``): after saving
+epoch e, the epoch save e - n·N is removed (N = ``--save_last_n_epochs``); after step s, the step save
+r - r mod n with r = s - N - 1 (N = ``--save_last_n_steps``, n = ``--save_every_n_steps``). States are pruned the same
+way with ``--save_last_n_epochs_state`` / ``--save_last_n_steps_state``, which default to the LoRA values.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,69 +32,123 @@ import torch
 
 from library.config import SaveConfig
 from library.errors import UserError
-from library.metadata import at_save
+from library.metadata import Metadata
 from library.position import Position, SaveHooks
+
+
+@dataclass(frozen=True)
+class OutputNames:
+    """The file stems of a run (see the module docstring)."""
+
+    output_name: str | None
+
+    def epoch(self, epoch: int) -> str:
+        return f"{self.output_name or 'epoch'}-{epoch:06d}"
+
+    def step(self, step: int) -> str:
+        return f"{self.output_name or 'at'}-step{step:08d}"
+
+    @property
+    def last(self) -> str:
+        return self.output_name or "last"
+
+
+def epoch_interval(cfg: SaveConfig, num_epochs: int) -> int | None:
+    """Epochs between epoch saves: ``--save_n_epoch_ratio`` wins, as in sd-scripts' ``train_network.py``:
+    ``floor(num_epochs / ratio) or 1``; else ``--save_every_n_epochs``."""
+    if cfg.save_n_epoch_ratio:
+        return math.floor(num_epochs / cfg.save_n_epoch_ratio) or 1
+    return cfg.save_every_n_epochs
+
+
+def epoch_to_remove(epoch: int, every: int, keep: int | None) -> int | None:
+    """The epoch save made obsolete by saving ``epoch`` when keeping the last ``keep`` (``get_remove_epoch_no``)."""
+    if not keep:
+        return None
+    old = epoch - every * keep
+    return old if old > 0 else None
+
+
+def step_to_remove(step: int, every: int, keep: int | None) -> int | None:
+    """The step save made obsolete by saving ``step`` when keeping those of the last ``keep`` steps
+    (``get_remove_step_no``): e.g. every 10, keep 30: at step 50 the save of step 10 goes."""
+    if not keep:
+        return None
+    old = step - keep - 1
+    old -= old % every
+    return old if old > 0 else None
 
 
 @dataclass
 class Saver:
-    """Saves the LoRA (and, with ``--save_state``, the training state) and prunes old saves."""
+    """Writes and removes LoRA files and state folders in the output folder."""
 
     output_dir: Path
-    name: str
     ext: str
     dtype: torch.dtype | None
-    keep_last_epochs: int | None
-    keep_last_steps: int | None
-    save_state: bool
 
-    def save(self, network, stem: str, metadata: dict[str, str], state: dict | None) -> Path:
-        path = self.output_dir / f"{stem}.{self.ext}"
+    def lora_path(self, stem: str) -> Path:
+        return self.output_dir / f"{stem}.{self.ext}"
+
+    def save_lora(self, network, stem: str, metadata: dict[str, str]) -> Path:
+        path = self.lora_path(stem)
         network.save_weights(str(path), self.dtype, metadata if self.ext == "safetensors" else None)
-        if self.save_state and state is not None:
-            write_state(self.output_dir / f"{stem}-state", state)
         return path
 
-    def remove(self, stem: str) -> None:
-        """Delete an older save and its state folder (``--save_last_n_epochs`` / ``--save_last_n_steps``)."""
-        (self.output_dir / f"{stem}.{self.ext}").unlink(missing_ok=True)
-        state = self.output_dir / f"{stem}-state"
-        if state.is_dir():
-            shutil.rmtree(state)
+    def save_state(self, stem: str, state: dict[str, Any]) -> None:
+        write_state(self.output_dir / f"{stem}-state", state)
+
+    def remove_lora(self, stem: str) -> None:
+        self.lora_path(stem).unlink(missing_ok=True)
+
+    def remove_state(self, stem: str) -> None:
+        folder = self.output_dir / f"{stem}-state"
+        if folder.is_dir():
+            shutil.rmtree(folder)
 
 
-def make_save_hooks(saver: Saver, network, optimizer, scheduler, noise_generator: torch.Generator,
-                    metadata: dict[str, str], cfg: SaveConfig, num_epochs: int, snapshot: dict[str, Any]) -> SaveHooks:
-    """The loop's save callbacks with sd-scripts' cadence, names and pruning rules."""
+def make_save_hooks(saver: Saver, names: OutputNames, network, capture: Callable[[Position], dict[str, Any]],
+                    metadata: Metadata, cfg: SaveConfig, num_epochs: int) -> SaveHooks:
+    """The loop's save callbacks with sd-scripts' cadence, names and pruning; ``capture`` gives the state to store.
 
-    def state(pos: Position) -> dict[str, Any]:
-        return {"network": network.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
-                "noise_rng": noise_generator.get_state(),
-                "train_state": {"current_epoch": pos.epoch, "current_step": pos.step, "config": snapshot}}
-
-    def meta(pos: Position, epoch: int) -> dict[str, str]:
-        return at_save(metadata, steps=pos.step, epoch=epoch, no_metadata=cfg.no_metadata)
+    ``ss_epoch`` of a step save is the number of completed epochs, as sd-scripts writes it (0 during the first).
+    """
+    every_epochs = epoch_interval(cfg, num_epochs)
+    keep_epoch_states = cfg.save_last_n_epochs_state or cfg.save_last_n_epochs
+    keep_step_states = cfg.save_last_n_steps_state or cfg.save_last_n_steps
 
     def step_save(pos: Position) -> None:
-        saver.save(network, f"{saver.name}-step{pos.step:08d}", meta(pos, pos.epoch + 1), state(pos))
-        if cfg.save_last_n_steps:  # sd-scripts' get_remove_step_no
-            old = pos.step - cfg.save_last_n_steps - 1
-            old -= old % (cfg.save_every_n_steps or 1)
-            if old > 0:
-                saver.remove(f"{saver.name}-step{old:08d}")
+        stem = names.step(pos.step)
+        saver.save_lora(network, stem, metadata.at_save(steps=pos.step, epoch=pos.epoch))
+        every = cfg.save_every_n_steps or 1
+        old = step_to_remove(pos.step, every, cfg.save_last_n_steps)
+        if old is not None:
+            saver.remove_lora(names.step(old))
+        if cfg.save_state:
+            saver.save_state(stem, capture(pos))
+            old = step_to_remove(pos.step, every, keep_step_states)
+            if old is not None:
+                saver.remove_state(names.step(old))
 
     def epoch_save(pos: Position) -> None:
-        saver.save(network, f"{saver.name}-{pos.epoch:06d}", meta(pos, pos.epoch), state(pos))
-        if cfg.save_last_n_epochs:
-            old = pos.epoch - cfg.save_last_n_epochs * (cfg.save_every_n_epochs or 1)
-            if old > 0:
-                saver.remove(f"{saver.name}-{old:06d}")
+        stem = names.epoch(pos.epoch)
+        saver.save_lora(network, stem, metadata.at_save(steps=pos.step, epoch=pos.epoch))
+        every = every_epochs or 1
+        old = epoch_to_remove(pos.epoch, every, cfg.save_last_n_epochs)
+        if old is not None:
+            saver.remove_lora(names.epoch(old))
+        if cfg.save_state:
+            saver.save_state(stem, capture(pos))
+            old = epoch_to_remove(pos.epoch, every, keep_epoch_states)
+            if old is not None:
+                saver.remove_state(names.epoch(old))
 
     def final_save(pos: Position) -> None:
-        saver.save(network, saver.name, meta(pos, num_epochs), state(pos))
+        if cfg.save_state or cfg.save_state_on_train_end:
+            saver.save_state(names.last, capture(pos))
+        saver.save_lora(network, names.last, metadata.at_save(steps=pos.step, epoch=num_epochs))
 
-    return SaveHooks(cfg.save_every_n_steps, cfg.save_every_n_epochs, step_save, epoch_save, final_save)
+    return SaveHooks(cfg.save_every_n_steps, every_epochs, step_save, epoch_save, final_save)
 
 
 def write_state(folder: Path, state: dict[str, Any]) -> None:

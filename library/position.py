@@ -12,10 +12,16 @@ from dataclasses import dataclass
 
 @dataclass
 class Position:
-    """Where training stands: 0-based epoch and number of updates done."""
+    """Where training stands: epochs completed, updates done, and micro-batches consumed in the current epoch.
+
+    ``batch`` is what a resume skips in the epoch it starts in; it is 0 at every epoch start. It is stored rather
+    than derived from ``step`` because a run started with ``--initial_step`` (without
+    ``--skip_until_initial_step``) restarts the data of its first epoch, so its epochs and steps do not line up.
+    """
 
     epoch: int = 0
     step: int = 0
+    batch: int = 0
 
 
 @dataclass

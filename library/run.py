@@ -17,14 +17,14 @@ import torch
 
 from library import model_setup, network_setup, optimizer_setup
 from library.accumulation import build_accumulation
-from library.checkpoint import Saver, make_save_hooks, read_state, save_dtype
+from library.checkpoint import OutputNames, Saver, make_save_hooks, read_state, save_dtype
 from library.config import TrainConfig, validate
 from library.data import build_train_data
-from library.metadata import optimizer_description, training_metadata
+from library.metadata import optimizer_description, thumbnail_data_url, training_metadata
 from library.noise import apply_zero_terminal_snr
 from library.position import Position
 from library.precision import optimizer_state_dtype, precision_policy
-from library.resume import restore
+from library.resume import restore, saved_position, start_position
 from library.schedule import describe, plan_steps
 from library.step import BatchLoss
 from library.tracking import Tracker
@@ -48,6 +48,7 @@ def run(cfg: TrainConfig) -> RunResult:
     """Train a LoRA as described by ``cfg``; returns the final file and the loop's figures."""
     validate(cfg)
     choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
+    thumbnail = thumbnail_data_url(cfg.save.metadata_thumbnail)
     seed = cfg.run.seed if cfg.run.seed is not None else random.randint(0, 2**31 - 1)
     data = build_train_data(cfg.data, seed=seed, max_token_length=cfg.model.max_token_length,
                             masked_loss=cfg.loss.masked_loss)
@@ -59,6 +60,7 @@ def run(cfg: TrainConfig) -> RunResult:
     lr_schedule = optimizer_setup.plan_schedule(cfg.schedule, choice, plan, cfg.optimizer.learning_rate)
     cfg = replace(cfg, schedule=replace(cfg.schedule, lr_scheduler=lr_schedule.name))  # as ss_lr_scheduler records it
     resume = read_state(cfg.save.resume) if cfg.save.resume else None
+    start = start_position(cfg.schedule, plan, saved_position(resume[1], plan) if resume else None)
 
     torch.manual_seed(seed)
     random.seed(seed)
@@ -80,22 +82,21 @@ def run(cfg: TrainConfig) -> RunResult:
                                       network_dtype=policy.network_dtype,
                                       mode=cfg.precision.full_bf16_grad_accumulation)
     noise_generator = torch.Generator().manual_seed(seed)
-    position = Position()
     if resume is not None:
-        position = restore(resume, network, optimizer, scheduler, noise_generator, plan)
+        restore(resume, network, optimizer, scheduler, noise_generator)
 
     out_dir = Path(cfg.save.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = cfg.save.output_name or "last"
+    names = OutputNames(cfg.save.output_name)
     started = time.time()
     meta = training_metadata(
-        cfg, plan, dataset_meta=data.metadata(), network_meta=network_setup.network_meta(cfg.network),
+        cfg, plan, seed=seed, thumbnail=thumbnail, dataset_meta=data.metadata(),
+        network_meta=network_setup.network_meta(cfg.network),
         optimizer_name=optimizer_description(optimizer, choice.options),
         stochastic_rounding=optimizer_setup.rounds_stochastically(choice, policy),
         num_train_images=data.num_train_images, num_reg_images=data.num_reg_images,
         resolution=cfg.data.resolution or data.datasets[0].spec.resolution, started=started)
-    saver = Saver(out_dir, name, cfg.save.save_model_as, save_dtype(cfg.save), cfg.save.save_last_n_epochs,
-                  cfg.save.save_last_n_steps, cfg.save.save_state)
+    saver = Saver(out_dir, cfg.save.save_model_as, save_dtype(cfg.save))
     tracker = Tracker(cfg.log, asdict(cfg))
     params = [p for g in groups for p in g["params"]]
     updater = Updater(params, optimizer, scheduler, accumulation, plan.gradient_accumulation_steps,
@@ -106,15 +107,24 @@ def run(cfg: TrainConfig) -> RunResult:
     batch_loss = BatchLoss(model, network, cfg.noise, cfg.loss, policy, device, noise_generator,
                            cfg.model.clip_skip, cfg.model.max_token_length, train_te)
     model_setup.compile_unet(model, cfg.precision)
-    saves = make_save_hooks(saver, network, optimizer, scheduler, noise_generator, meta, cfg.save, plan.num_epochs,
-                            asdict(cfg))
+    snapshot = asdict(cfg)
+
+    def capture(pos: Position) -> dict:
+        upstream_epoch = pos.epoch + (1 if pos.batch else 0)  # sd-scripts: the 1-based epoch in progress
+        return {"network": network.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
+                "noise_rng": noise_generator.get_state(),
+                "train_state": {"current_epoch": upstream_epoch, "current_step": pos.step,
+                                "position": asdict(pos), "seed": seed, "config": snapshot}}
+
+    saves = make_save_hooks(saver, names, network, capture, meta, cfg.save, plan.num_epochs)
     try:
         result = train_loop(
             data=data, batch_loss=batch_loss, updater=updater, plan=plan, saves=saves, tracker=tracker,
             lr_values=optimizer_setup.lr_reporter(optimizer, descriptions, choice),
-            on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet), start=position)
+            on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet), start=start)
     finally:
         tracker.close()
         accumulation.remove()
     log.info("optimizer state after training: %s", optimizer_state_dtype(optimizer))
-    return RunResult(out_dir / f"{name}.{cfg.save.save_model_as}", result)
+    return RunResult(saver.lora_path(names.last), result)

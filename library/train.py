@@ -3,15 +3,15 @@
 Everything it needs (precision, accumulation, rounding, saving cadence) is decided before the loop and
 handed in; the loop itself has no feature switches. The arithmetic is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md
 §4.2): an update every ``gradient_accumulation_steps`` micro-batches and at the end of each epoch,
-``global_step`` counts updates, epoch saves happen after epochs other than the last, the final LoRA is
-``<output_name>.<ext>`` with ``ss_epoch`` = number of epochs and ``ss_steps`` = updates done.
+``global_step`` counts updates, step saves happen at every multiple of ``--save_every_n_steps`` (the last step
+included), epoch saves after epochs other than the last, then the final save (``library/checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,25 +37,26 @@ class LoopResult:
 def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Updater, plan: StepPlan,
                saves: SaveHooks, tracker: Tracker, lr_values: Callable[[], dict[str, float]],
                on_epoch_start: Callable[[int], None], start: Position) -> LoopResult:
-    """Train from ``start`` until ``plan.max_train_steps`` updates; returns where it ended."""
-    pos = Position(start.epoch, start.step)
+    """Train from ``start`` until ``plan.max_train_steps`` updates; returns where it ended.
+
+    The first epoch begins at ``start.batch`` (the batches before it are not loaded); a later epoch at its first
+    batch."""
+    pos = Position(start.epoch, start.step, start.batch)
     loader = data.dataloader()
     average = LossAverage(len(loader))
     accum = plan.gradient_accumulation_steps
-    skip_batches = (pos.step - pos.epoch * plan.updates_per_epoch) * accum
     progress = tqdm(total=plan.max_train_steps, initial=pos.step, desc="steps", smoothing=0, disable=None)
     began, window_loss, last_loss = time.perf_counter(), 0.0, float("nan")
     while pos.epoch < plan.num_epochs and pos.step < plan.max_train_steps:
-        data.set_epoch(pos.epoch + 1)
+        data.set_epoch(pos.epoch + 1, first_batch=pos.batch)
         on_epoch_start(pos.epoch)
-        for index, batch in enumerate(loader):
-            if index < skip_batches:
-                continue
+        for index, batch in enumerate(_iterate(loader), start=pos.batch):
             data.set_current_step(pos.step, plan.max_train_steps)
             loss = batch_loss(batch)
             updater.backward(loss)
             window_loss += float(loss.detach()) / accum
-            if (index + 1) % accum != 0 and index + 1 != len(loader):
+            pos.batch = index + 1
+            if pos.batch % accum != 0 and pos.batch != len(loader):
                 continue
             try:
                 result = updater.update()
@@ -74,13 +75,14 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
                 scalars.update({"max_norm/keys_scaled": keys, "max_norm/average_key_norm": mean,
                                 "max_norm/max_key_norm": maximum})
             tracker.log(scalars, pos.step)
-            if saves.every_n_steps and pos.step % saves.every_n_steps == 0 and pos.step < plan.max_train_steps:
+            if saves.every_n_steps and pos.step % saves.every_n_steps == 0:
                 saves.step_save(pos)
             if pos.step >= plan.max_train_steps:
                 break
-        skip_batches = 0
         tracker.log({"loss/epoch_average": average.end_epoch()}, pos.epoch + 1)
-        pos.epoch += 1
+        if pos.batch < len(loader):
+            break  # --max_train_steps reached inside the epoch: it stays the current one (a resume continues it)
+        pos.epoch, pos.batch = pos.epoch + 1, 0
         if saves.every_n_epochs and pos.epoch % saves.every_n_epochs == 0 and pos.epoch < plan.num_epochs:
             saves.epoch_save(pos)
     progress.close()
@@ -88,3 +90,16 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
     seconds = time.perf_counter() - began
     done = max(1, pos.step - start.step)
     return LoopResult(pos, last_loss, seconds, seconds / done)
+
+
+def _iterate(loader) -> Iterator[dict]:
+    """Iterate ``loader`` without touching torch's global generator.
+
+    Creating a DataLoader iterator draws a worker base seed from the global generator. Our batches do not use it
+    (every random choice of a batch is keyed by seed, epoch and position), but a network whose dropout draws from
+    the global generator (a third-party ``--network_module``) would see that draw move with the epoch's start, so
+    that a resume mid-epoch would draw different masks than the uninterrupted run.
+    """
+    with torch.random.fork_rng(devices=[]):
+        iterator = iter(loader)
+    yield from iterator

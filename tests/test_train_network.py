@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -98,10 +99,19 @@ def test_bf16_mixed_precision(tmp_path):
 
 def test_exported_single_file_trains(tmp_path):
     subprocess.run([sys.executable, "-m", "library.tiny_model", str(tmp_path / "model")], check=True, cwd=ROOT)
-    args = train_args(tmp_path / "out", "--max_train_steps", "1")
-    args[1] = str(tmp_path / "model" / "model.safetensors")
+    model = tmp_path / "model" / "model.safetensors"
+    args = train_args(tmp_path / "out", "--max_train_steps", "1", "--vae", str(tmp_path / "model" / "vae"))
+    args[1] = str(model)
     assert train_network.main(args) == 0
-    assert (tmp_path / "out" / "lora.safetensors").is_file()
+    with safe_open(str(tmp_path / "out" / "lora.safetensors"), "pt") as f:
+        meta = f.metadata()
+    # sd-scripts: ss_sd_model_hash = train_util.model_hash (sha256 of the 64 KiB at 1 MiB, 8 hex digits),
+    # ss_new_sd_model_hash = calculate_sha256 (the whole file); a VAE folder is only named
+    data = model.read_bytes()
+    assert meta["ss_sd_model_name"] == "model.safetensors"
+    assert meta["ss_sd_model_hash"] == hashlib.sha256(data[0x100000:0x110000]).hexdigest()[:8]
+    assert meta["ss_new_sd_model_hash"] == hashlib.sha256(data).hexdigest()
+    assert meta["ss_vae_name"] == "vae" and "ss_vae_hash" not in meta
 
 
 def _fails_cleanly(capsys, out: Path, args: list[str], needle: str) -> None:

@@ -20,6 +20,10 @@ def _range_problems(cfg: TrainConfig) -> list[str]:
         "--save_every_n_steps": cfg.save.save_every_n_steps,
         "--save_last_n_epochs": cfg.save.save_last_n_epochs,
         "--save_last_n_steps": cfg.save.save_last_n_steps,
+        "--save_last_n_epochs_state": cfg.save.save_last_n_epochs_state,
+        "--save_last_n_steps_state": cfg.save.save_last_n_steps_state,
+        "--save_n_epoch_ratio": cfg.save.save_n_epoch_ratio,
+        "--initial_epoch": cfg.schedule.initial_epoch,
         "--clip_skip": cfg.model.clip_skip,
         "--vae_batch_size": cfg.data.vae_batch_size,
         "--max_nan_steps": cfg.precision.max_nan_steps,
@@ -27,6 +31,8 @@ def _range_problems(cfg: TrainConfig) -> list[str]:
     for name, value in positive.items():
         if value is not None and value < 1:
             problems.append(f"{name} {value}: must be at least 1")
+    if cfg.schedule.initial_step is not None and cfg.schedule.initial_step < 0:
+        problems.append(f"--initial_step {cfg.schedule.initial_step}: must not be negative (0 = the first step)")
     for name, value in {"--network_dropout": cfg.network.network_dropout,
                         "--caption_dropout_rate": cfg.data.caption_dropout_rate,
                         "--caption_tag_dropout_rate": cfg.data.caption_tag_dropout_rate}.items():

@@ -217,7 +217,8 @@ def _decoded(path: str, loader: Callable[[str], T]) -> T:
 
 
 class EpochSampler(Sampler):
-    """Yields the ``BatchKey``s of the current epoch; reads epoch and step from ``state`` when iterated."""
+    """Yields the ``BatchKey``s of the current epoch from ``state.first_batch`` on; reads epoch and step from ``state``
+    when iterated."""
 
     def __init__(self, state: object, length: int) -> None:
         self.state = state
@@ -228,5 +229,5 @@ class EpochSampler(Sampler):
 
     def __iter__(self) -> Iterator[BatchKey]:
         epoch = self.state.epoch
-        for position in range(self.length):
+        for position in range(self.state.first_batch, self.length):
             yield BatchKey(epoch, position, self.state.step, self.state.max_train_steps)

@@ -31,6 +31,7 @@ class _Progress:
     epoch: int = 1
     step: int = 0
     max_train_steps: int = 0
+    first_batch: int = 0
 
 
 class TrainData:
@@ -61,9 +62,13 @@ class TrainData:
     def __len__(self) -> int:
         return len(self.source)
 
-    def set_epoch(self, epoch: int) -> None:
-        """1-based epoch: picks the batch order (seed + epoch) and drives caption_dropout_every_n_epochs."""
+    def set_epoch(self, epoch: int, first_batch: int = 0) -> None:
+        """1-based epoch: picks the batch order (seed + epoch) and drives caption_dropout_every_n_epochs.
+
+        ``first_batch`` > 0 starts the epoch's iteration at that batch (a resume mid-epoch): the batches before it
+        are not loaded at all."""
         self.progress.epoch = epoch
+        self.progress.first_batch = first_batch
 
     def set_current_step(self, step: int, max_train_steps: int) -> None:
         """Optimizer step for the token warm-up (read as batches are requested)."""

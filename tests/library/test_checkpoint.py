@@ -1,0 +1,38 @@
+"""Save names, cadence and pruning against sd-scripts' train_util formulas, worked by hand."""
+
+from __future__ import annotations
+
+from library.checkpoint import OutputNames, epoch_interval, epoch_to_remove, step_to_remove
+from library.config import SaveConfig
+
+
+def test_names_with_and_without_output_name():
+    named, unnamed = OutputNames("lora"), OutputNames(None)
+    assert (named.epoch(3), named.step(12), named.last) == ("lora-000003", "lora-step00000012", "lora")
+    # train_util.DEFAULT_EPOCH_NAME / DEFAULT_STEP_NAME / DEFAULT_LAST_OUTPUT_NAME
+    assert (unnamed.epoch(3), unnamed.step(12), unnamed.last) == ("epoch-000003", "at-step00000012", "last")
+
+
+def test_epoch_ratio_wins_and_is_at_least_one():
+    # train_network.py: save_every_n_epochs = floor(num_train_epochs / save_n_epoch_ratio) or 1
+    assert epoch_interval(SaveConfig(save_every_n_epochs=1, save_n_epoch_ratio=3), num_epochs=10) == 3
+    assert epoch_interval(SaveConfig(save_n_epoch_ratio=5), num_epochs=3) == 1
+    assert epoch_interval(SaveConfig(save_every_n_epochs=2, save_n_epoch_ratio=0), num_epochs=10) == 2
+    assert epoch_interval(SaveConfig(), num_epochs=10) is None
+
+
+def test_epoch_pruning():
+    # get_remove_epoch_no: epoch - every * keep; every 2, keep 3: saving epoch 8 removes epoch 2.
+    assert epoch_to_remove(8, 2, 3) == 2
+    assert epoch_to_remove(6, 2, 3) is None  # 0: nothing was saved there
+    assert epoch_to_remove(8, 2, None) is None
+
+
+def test_step_pruning_keeps_the_saves_of_the_last_n_steps():
+    # train_util's own example: every 10, keep 30 -> at step 50 the save of step 10 is removed.
+    assert step_to_remove(50, 10, 30) == 10
+    assert step_to_remove(40, 10, 30) is None
+    # every 1, keep 2: at step 5, r = 5 - 2 - 1 = 2.
+    assert step_to_remove(5, 1, 2) == 2
+    # every 3, keep 4: r = 12 - 4 - 1 = 7 -> 7 - 7 % 3 = 6.
+    assert step_to_remove(12, 3, 4) == 6
