@@ -11,15 +11,23 @@ It sums, it does not average: scale the loss by 1/N (accelerate's ``accumulate``
 Project fixes to the reference: a parameter that got no gradient in the window is skipped (its ``grad`` stays None)
 instead of raising AttributeError; hooks are attached only to bf16 parameters (for fp32 ones plain accumulation is
 exact enough and the hook would only cost time).
+
+``StochasticAccumulator`` draws its rounding bits from torch's global generator, as Torchastic does.
+``SeededStochasticAccumulator`` is the same sum with bits from a generator seeded by (seed, window, parameter,
+micro-batch) through ``rounding.step_seed``, like the optimizers' rounding: its whole random state is two integers
+(``state_dict``), so a run resumed between two updates rounds exactly as the uninterrupted one.
 """
 
 from __future__ import annotations
+
+from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from optimizers.rounding import add_stochastic_
+from optimizers.rounding import add_stochastic_, seeded_generator, step_seed
 
 ACC_ATTR = "acc_grad"
 
@@ -57,3 +65,46 @@ class StochasticAccumulator:
                 continue
             param.grad = acc
             delattr(param, ACC_ATTR)
+
+
+class SeededStochasticAccumulator:
+    """``StochasticAccumulator`` with reproducible rounding; one instance per model, used as the static class is."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.windows = 0  # accumulation windows completed (``reassign_grad_buffer`` calls)
+        self._additions: dict[int, int] = {}
+
+    def assign_hooks(self, model: nn.Module) -> list[RemovableHandle]:
+        """Hook every trainable bf16 parameter; the parameter's position among them selects its random stream."""
+        params = [p for p in model.parameters() if p.requires_grad and p.dtype == torch.bfloat16]
+        return [p.register_post_accumulate_grad_hook(partial(self._accumulate, index)) for index, p in
+                enumerate(params)]
+
+    def _accumulate(self, index: int, param: Tensor) -> None:
+        if param.grad is None:
+            return
+        acc = getattr(param, ACC_ATTR, None)
+        if acc is None:
+            setattr(param, ACC_ATTR, param.grad.detach().to(torch.bfloat16, copy=True))
+        else:
+            count = self._additions.get(index, 0) + 1
+            self._additions[index] = count
+            generator = seeded_generator(param.device, step_seed(self.seed, self.windows, index, count))
+            add_stochastic_(acc, param.grad.detach(), generator=generator)
+        param.grad = None
+
+    def reassign_grad_buffer(self, model: nn.Module) -> None:
+        """Move the sums into ``p.grad`` and start the next window."""
+        StochasticAccumulator.reassign_grad_buffer(model)
+        self.windows += 1
+        self._additions.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The random state between windows (sums in progress are not part of it)."""
+        return {"seed": self.seed, "windows": self.windows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed = int(state["seed"])
+        self.windows = int(state["windows"])
+        self._additions.clear()

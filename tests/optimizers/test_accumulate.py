@@ -89,3 +89,51 @@ def test_seed_snippet_imports_work() -> None:
     optimizer.step()
     assert set(optimizer.state[model.weight]) == {"step", "ema", "ema_squared"}
     assert float(model.weight.detach().float().mean()) < 0
+
+
+def _window(accumulator, model, size, scale) -> torch.Tensor:
+    for k in range(4):
+        model(torch.full((size,), scale * (k + 1), dtype=torch.bfloat16)).backward()
+    accumulator.reassign_grad_buffer(model)
+    grad, model.weight.grad = model.weight.grad.clone(), None
+    return grad
+
+
+def test_seeded_accumulator_is_unbiased_and_ignores_the_global_generator() -> None:
+    from optimizers.accumulate import SeededStochasticAccumulator
+
+    size = 20_000
+    model = Scaled(size)
+    accumulator = SeededStochasticAccumulator(seed=7)
+    accumulator.assign_hooks(model)
+    torch.manual_seed(0)
+    first = _window(accumulator, model, size, 1.001)
+    exact = sum(float(torch.tensor(1.001 * (k + 1), dtype=torch.bfloat16).double()) for k in range(4))
+    standard_error = float(first.double().std()) / size**0.5
+    assert abs(float(first.double().mean()) - exact) <= 3 * standard_error
+    torch.manual_seed(123)  # the global generator does not matter
+    again = SeededStochasticAccumulator(seed=7)
+    other = Scaled(size)
+    again.assign_hooks(other)
+    assert torch.equal(_window(again, other, size, 1.001), first)
+
+
+def test_seeded_accumulator_state_resumes_the_same_rounding() -> None:
+    from optimizers.accumulate import SeededStochasticAccumulator
+
+    size = 4096
+    model, resumed_model = Scaled(size), Scaled(size)
+    whole = SeededStochasticAccumulator(seed=3)
+    whole.assign_hooks(model)
+    _window(whole, model, size, 0.37)
+    state = whole.state_dict()
+    assert state == {"seed": 3, "windows": 1}
+    second = _window(whole, model, size, 0.37)
+    resumed = SeededStochasticAccumulator(seed=99)
+    resumed.assign_hooks(resumed_model)
+    resumed.load_state_dict(state)
+    assert torch.equal(_window(resumed, resumed_model, size, 0.37), second)
+    fresh = SeededStochasticAccumulator(seed=3)  # window 0 again: other rounding bits
+    fresh_model = Scaled(size)
+    fresh.assign_hooks(fresh_model)
+    assert not torch.equal(_window(fresh, fresh_model, size, 0.37), second)
