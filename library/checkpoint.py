@@ -19,10 +19,8 @@ way with ``--save_last_n_epochs_state`` / ``--save_last_n_steps_state``, which d
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +29,12 @@ from typing import Any
 import torch
 
 from library.config import SaveConfig
-from library.errors import UserError
+from library.files import remove_folder
 from library.metadata import Metadata
 from library.position import Position, SaveHooks
+from library.state_file import write_state
+
+SAVE_FORMATS = ("safetensors", "ckpt", "pt")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,13 @@ class OutputNames:
     @property
     def last(self) -> str:
         return self.output_name or "last"
+
+    def owns(self, file_name: str) -> bool:
+        """Whether ``file_name`` is one of this run's LoRA files or state folders (any epoch, step, format)."""
+        stems = [self.output_name] if self.output_name else ["epoch", "at", "last"]
+        pattern = (rf"(?:{'|'.join(re.escape(s) for s in stems)})(?:-\d{{6}}|-step\d{{8}})?"
+                   rf"(?:-state|\.(?:{'|'.join(SAVE_FORMATS)}))")
+        return re.fullmatch(pattern, file_name) is not None
 
 
 def epoch_interval(cfg: SaveConfig, num_epochs: int) -> int | None:
@@ -95,19 +103,19 @@ class Saver:
         network.save_weights(str(path), self.dtype, metadata if self.ext == "safetensors" else None)
         return path
 
-    def save_state(self, stem: str, state: dict[str, Any]) -> None:
-        write_state(self.output_dir / f"{stem}-state", state)
+    def save_state(self, stem: str, state: tuple[dict[str, Any], dict[str, Any]]) -> None:
+        objects, train_state = state
+        write_state(self.output_dir / f"{stem}-state", objects, train_state)
 
     def remove_lora(self, stem: str) -> None:
         self.lora_path(stem).unlink(missing_ok=True)
 
     def remove_state(self, stem: str) -> None:
-        folder = self.output_dir / f"{stem}-state"
-        if folder.is_dir():
-            shutil.rmtree(folder)
+        remove_folder(self.output_dir / f"{stem}-state")
 
 
-def make_save_hooks(saver: Saver, names: OutputNames, network, capture: Callable[[Position], dict[str, Any]],
+def make_save_hooks(saver: Saver, names: OutputNames, network,
+                    capture: Callable[[Position], tuple[dict[str, Any], dict[str, Any]]],
                     metadata: Metadata, cfg: SaveConfig, num_epochs: int) -> SaveHooks:
     """The loop's save callbacks with sd-scripts' cadence, names and pruning; ``capture`` gives the state to store.
 
@@ -149,29 +157,6 @@ def make_save_hooks(saver: Saver, names: OutputNames, network, capture: Callable
         saver.save_lora(network, names.last, metadata.at_save(steps=pos.step, epoch=num_epochs))
 
     return SaveHooks(cfg.save_every_n_steps, every_epochs, step_save, epoch_save, final_save)
-
-
-def write_state(folder: Path, state: dict[str, Any]) -> None:
-    """Write a resume folder atomically: ``<folder>.tmp`` first, then rename over any older one."""
-    tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    torch.save({k: v for k, v in state.items() if k != "train_state"}, tmp / "state.pt")
-    (tmp / "train_state.json").write_text(json.dumps(state["train_state"], indent=2, default=str))
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
-
-
-def read_state(folder: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read a ``--resume`` folder; a clear error when it is not one."""
-    path = Path(folder)
-    if not (path / "state.pt").is_file() or not (path / "train_state.json").is_file():
-        raise UserError(f"--resume {folder}: not a state folder (expected state.pt and train_state.json, "
-                        "written by --save_state)")
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-    return state, json.loads((path / "train_state.json").read_text())
 
 
 def save_dtype(cfg: SaveConfig) -> torch.dtype | None:

@@ -1,20 +1,35 @@
-"""``--resume`` and the start position: put a ``--save_state`` folder back into the network, optimizer, scheduler
-and generators, and decide where training starts (``--initial_step``, ``--initial_epoch``,
-``--skip_until_initial_step``).
+"""``--resume`` and the start position: what a ``--save_state`` folder holds and how it goes back into the network,
+optimizer, scheduler, generators and accumulator; where training starts (``--initial_step``, ``--initial_epoch``,
+``--skip_until_initial_step``); and the checks that refuse a state that does not fit this run.
+
+The state stores everything that draws or carries randomness through the loop: torch's global generators (CPU and
+CUDA: the network's dropouts draw from them) and Python's, the noise generator, the stochastic-rounding
+accumulator, and the fp16 loss scale; with the data position (epoch, step, batch of the epoch) a resumed run
+repeats the uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
+from library.accumulation import Accumulation
 from library.config import ScheduleConfig
 from library.errors import UserError
 from library.position import Position
 from library.schedule import StepPlan
+from library.state_file import SavedState, StateFormatError, encode
+from library.trajectory import differences, network_differences
+from library.update import DynamicLossScale
 
 log = logging.getLogger(__name__)
+
+RESUME_HINT = ("resume with the settings of the run that saved the state (only --max_train_steps / "
+               "--max_train_epochs may grow), or start a new run without --resume")
 
 
 def start_position(cfg: ScheduleConfig, plan: StepPlan, saved: Position | None) -> Position:
@@ -66,25 +81,140 @@ def _check_total(step: int, plan: StepPlan, what: str) -> None:
                         "number of steps, not the remainder); raise --max_train_steps or --max_train_epochs")
 
 
-def saved_position(train_state: dict, plan: StepPlan) -> Position:
-    """The position stored in ``train_state.json`` (states of older versions: derived from the step)."""
+def _check_total(step: int, plan: StepPlan, what: str) -> None:
+    if step > 0 and step >= plan.max_train_steps:
+        raise UserError(f"{what} {step}, which already reaches --max_train_steps {plan.max_train_steps} (the total "
+                        "number of steps, not the remainder); raise --max_train_steps or --max_train_epochs")
+
+
+def _whole(saved: SavedState, record: Any, key: str, where: str = "") -> int:
+    value = record.get(key) if isinstance(record, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UserError(f"--resume {saved.folder}: train_state.json: {where}{key} is {value!r}, not a whole number "
+                        ">= 0; the file is damaged or was edited: resume from another state folder")
+    return value
+
+
+def saved_position(saved: SavedState, plan: StepPlan) -> Position:
+    """The position stored in ``train_state.json`` (states of earlier versions: derived from the step)."""
+    train_state = saved.train_state
+    if saved.legacy:
+        step = _whole(saved, train_state, "current_step")
+        epoch = step // plan.updates_per_epoch
+        return Position(epoch, step, (step - epoch * plan.updates_per_epoch) * plan.gradient_accumulation_steps)
     stored = train_state.get("position")
-    if isinstance(stored, dict):
-        return Position(int(stored["epoch"]), int(stored["step"]), int(stored["batch"]))
-    step = int(train_state["current_step"])
-    epoch = step // plan.updates_per_epoch
-    return Position(epoch, step, (step - epoch * plan.updates_per_epoch) * plan.gradient_accumulation_steps)
+    pos = Position(*(_whole(saved, stored, key, "position.") for key in ("epoch", "step", "batch")))
+    if pos.batch > plan.batches_per_epoch:
+        raise UserError(f"--resume {saved.folder}: the state is at batch {pos.batch} of an epoch, but this run has "
+                        f"{plan.batches_per_epoch} batches per epoch; {RESUME_HINT}")
+    return pos
 
 
-def restore(resume: tuple[dict, dict], network, optimizer, scheduler, noise_generator: torch.Generator) -> None:
-    """Load a ``--save_state`` folder; mismatches are explained instead of surfacing as tensor errors."""
-    state, _ = resume
-    try:
-        network.load_state_dict(state["network"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as exc:
-        raise UserError(f"--resume: the saved state does not fit this run ({exc}); resume with the same network "
-                        "and optimizer settings as the run that saved it") from exc
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    noise_generator.set_state(state["noise_rng"])
+def saved_seed(saved: SavedState) -> int | None:
+    """The seed of the run that saved the state (None for states of earlier versions)."""
+    return None if saved.legacy else _whole(saved, saved.train_state, "seed")
+
+
+def check_trajectory(saved: SavedState, now: dict[str, Any]) -> None:
+    """Refuse a resume whose run would follow another trajectory than the saved one, naming each difference."""
+    stored = saved.train_state.get("trajectory")
+    if saved.legacy or not isinstance(stored, dict):
+        return
+    found = differences(stored, now)
+    if found:
+        raise UserError(*(f"--resume {saved.folder}: {line}" for line in found), RESUME_HINT)
+
+
+def _optimizer_problems(saved: Any, optimizer) -> list[str]:
+    """Param groups that do not match: count, sizes, or options (another optimizer has other group keys)."""
+    current = optimizer.state_dict().get("param_groups", [])
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        return ["the optimizer state has no parameter groups"]
+    if len(groups) != len(current):
+        return [f"optimizer: {len(groups)} parameter groups saved, {len(current)} now"]
+    problems = []
+    for index, (old, new) in enumerate(zip(groups, current, strict=True)):
+        if len(old.get("params", [])) != len(new["params"]):
+            problems.append(f"optimizer group {index}: {len(old.get('params', []))} tensors saved, "
+                            f"{len(new['params'])} now")
+        missing, extra = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+        if missing or extra:
+            problems.append(f"optimizer group {index}: options {', '.join(extra) or '-'} saved but not used now, "
+                            f"{', '.join(missing) or '-'} used now but not saved (another optimizer?)")
+    return problems
+
+
+@dataclass
+class TrainingState:
+    """Everything of a run that ``--save_state`` stores and ``--resume`` puts back."""
+
+    network: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    noise_generator: torch.Generator
+    accumulation: Accumulation
+    loss_scale: DynamicLossScale | None
+    seed: int
+    trajectory: dict[str, Any]
+    config: dict[str, Any]
+
+    def objects(self) -> dict[str, Any]:
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                               "noise": self.noise_generator.get_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {"network": self.network.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": rng,
+                "accumulation": self.accumulation.state_dict(),
+                "loss_scale": asdict(self.loss_scale) if self.loss_scale is not None else None}
+
+    def check_storable(self) -> None:
+        """Fail at the start, not at the first save, when the optimizer or scheduler holds unstorable objects."""
+        try:
+            encode(self.objects())
+        except StateFormatError as exc:
+            raise UserError(f"--save_state: {exc}; this optimizer or scheduler cannot be saved for --resume "
+                            "here: train without --save_state / --save_state_on_train_end") from None
+
+    def capture(self, pos: Position) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The objects to store and the ``train_state.json`` record at ``pos``."""
+        train_state = {"current_epoch": pos.epoch + (1 if pos.batch else 0),  # sd-scripts: 1-based, in progress
+                       "current_step": pos.step, "position": asdict(pos), "seed": self.seed,
+                       "trajectory": self.trajectory, "config": self.config}
+        return self.objects(), train_state
+
+    def restore(self, saved: SavedState) -> None:
+        """Load a state after checking that the network and optimizer fit; ``UserError`` otherwise."""
+        objects = saved.objects
+        if saved.legacy:  # state.pt of earlier versions
+            objects = {**objects, "rng": {"torch": objects.get("rng"), "noise": objects.get("noise_rng")}}
+        network = objects.get("network")
+        if not isinstance(network, dict) or not all(isinstance(v, torch.Tensor) for v in network.values()):
+            raise UserError(f"--resume {saved.folder}: the state holds no network weights; it is not a training "
+                            "state of this trainer")
+        problems = network_differences(network, self.network.state_dict())
+        problems += _optimizer_problems(objects.get("optimizer"), self.optimizer)
+        if problems:
+            raise UserError(*(f"--resume {saved.folder}: {line}" for line in problems), RESUME_HINT)
+        try:
+            self.network.load_state_dict(network, strict=False)
+            self.optimizer.load_state_dict(objects["optimizer"])
+            self.scheduler.load_state_dict(objects["scheduler"])
+            self._restore_rng(objects["rng"])
+            if objects.get("accumulation"):
+                self.accumulation.load_state_dict(objects["accumulation"])
+            if self.loss_scale is not None and objects.get("loss_scale"):
+                for key, value in objects["loss_scale"].items():
+                    setattr(self.loss_scale, key, value)
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as exc:
+            raise UserError(f"--resume {saved.folder}: the state does not fit this run ({type(exc).__name__}: "
+                            f"{exc}); {RESUME_HINT}") from None
+
+    def _restore_rng(self, rng: dict[str, Any]) -> None:
+        torch.set_rng_state(rng["torch"])
+        self.noise_generator.set_state(rng["noise"])
+        if rng.get("python") is not None:
+            random.setstate(rng["python"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])

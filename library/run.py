@@ -1,12 +1,16 @@
 """``run(cfg)``: the only function that sees the whole config; it wires the stages in order.
 
-validate → data (no model needed, so data errors come before anything loads) → step plan → models →
-precision → network → optimizer → LR schedule → latent cache → loop → final save. Each stage gets only
-its own config section. Nothing is written into the output folder until every check has passed.
+validate → the ``--resume`` state (read and checked; its seed) → data (no model needed, so data errors come
+before anything loads) → step plan and start position → trajectory check against the state → output folder
+(lock, writability, cleanup after interrupted saves) → models → precision → network → optimizer → LR schedule →
+latent cache → restore the state → loop → final save. Each stage gets only its own config section. Nothing is
+written into the output folder until every check that needs no model has passed; the lock file is removed at
+the end, also after an error or an interruption.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import time
@@ -17,18 +21,20 @@ import torch
 
 from library import model_setup, network_setup, optimizer_setup
 from library.accumulation import build_accumulation
-from library.checkpoint import OutputNames, Saver, make_save_hooks, read_state, save_dtype
+from library.checkpoint import OutputNames, Saver, make_save_hooks, save_dtype
 from library.config import TrainConfig, validate
 from library.data import build_train_data
 from library.metadata import optimizer_description, thumbnail_data_url, training_metadata
 from library.noise import apply_zero_terminal_snr
-from library.position import Position
+from library.output import open_output
 from library.precision import optimizer_state_dtype, precision_policy
-from library.resume import restore, saved_position, start_position
+from library.resume import TrainingState, check_trajectory, saved_position, saved_seed, start_position
 from library.schedule import describe, plan_steps
+from library.state_file import read_state
 from library.step import BatchLoss
 from library.tracking import Tracker
 from library.train import LoopResult, train_loop
+from library.trajectory import optimizer_label, trajectory
 from library.update import DynamicLossScale, Updater
 
 log = logging.getLogger(__name__)
@@ -44,12 +50,23 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _stream_seed(seed: int, stream: str) -> int:
+    """A seed for one random stream of the run, derived from the run's seed (so that streams are not copies)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{stream}".encode()).digest()[:8], "little") >> 1
+
+
 def run(cfg: TrainConfig) -> RunResult:
     """Train a LoRA as described by ``cfg``; returns the final file and the loop's figures."""
     validate(cfg)
     choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
     thumbnail = thumbnail_data_url(cfg.save.metadata_thumbnail)
-    seed = cfg.run.seed if cfg.run.seed is not None else random.randint(0, 2**31 - 1)
+    saved = read_state(cfg.save.resume) if cfg.save.resume else None
+    seed, stored_seed = cfg.run.seed, saved_seed(saved) if saved is not None else None
+    if seed is None and stored_seed is not None:
+        seed = stored_seed
+        log.info("--resume without --seed: using the seed of the run that saved the state, %d", seed)
+    elif seed is None:
+        seed = random.randint(0, 2**31 - 1)
     data = build_train_data(cfg.data, seed=seed, max_token_length=cfg.model.max_token_length,
                             masked_loss=cfg.loss.masked_loss)
     plan = plan_steps(len(data), batch_size=cfg.data.train_batch_size,
@@ -59,72 +76,72 @@ def run(cfg: TrainConfig) -> RunResult:
         log.info(line)
     lr_schedule = optimizer_setup.plan_schedule(cfg.schedule, choice, plan, cfg.optimizer.learning_rate)
     cfg = replace(cfg, schedule=replace(cfg.schedule, lr_scheduler=lr_schedule.name))  # as ss_lr_scheduler records it
-    resume = read_state(cfg.save.resume) if cfg.save.resume else None
-    start = start_position(cfg.schedule, plan, saved_position(resume[1], plan) if resume else None)
-
-    torch.manual_seed(seed)
-    random.seed(seed)
-    device = _device()
-    policy = precision_policy(cfg.precision)
-    model = model_setup.load_model(cfg.model, cfg.precision, policy, device)
-    if cfg.noise.zero_terminal_snr:
-        apply_zero_terminal_snr(model.noise_scheduler)
-    network, train_te = network_setup.build_network(cfg.network, model, policy, device)
-    if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
-        model_setup.cache_latents(data, model, policy, device, cfg.data)
-    groups, descriptions = network_setup.param_groups(network, cfg.optimizer)
-    optimizer = optimizer_setup.build_optimizer(choice, groups, cfg.optimizer.learning_rate)
-    scheduler = optimizer_setup.build_scheduler(optimizer, lr_schedule)
-    for warning in optimizer_setup.optimizer_warnings(choice, groups, cfg.schedule, cfg.precision.full_bf16, plan):
-        log.warning(warning)
-    log.info(policy.describe(optimizer_setup.optimizer_state_label(choice, policy)))
-    accumulation = build_accumulation(network, steps=cfg.schedule.gradient_accumulation_steps,
-                                      network_dtype=policy.network_dtype,
-                                      mode=cfg.precision.full_bf16_grad_accumulation)
-    noise_generator = torch.Generator().manual_seed(seed)
-    if resume is not None:
-        restore(resume, network, optimizer, scheduler, noise_generator)
-
-    out_dir = Path(cfg.save.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    start = start_position(cfg.schedule, plan, saved_position(saved, plan) if saved else None)
+    route = trajectory(seed=seed, datasets=data.datasets,
+                       gradient_accumulation_steps=cfg.schedule.gradient_accumulation_steps,
+                       optimizer=optimizer_label(choice.spec.name if choice.spec else choice.name, choice.options),
+                       network_module=cfg.network.network_module)
+    if saved is not None:
+        check_trajectory(saved, route)
     names = OutputNames(cfg.save.output_name)
-    started = time.time()
-    meta = training_metadata(
-        cfg, plan, seed=seed, thumbnail=thumbnail, dataset_meta=data.metadata(),
-        network_meta=network_setup.network_meta(cfg.network),
-        optimizer_name=optimizer_description(optimizer, choice.options),
-        stochastic_rounding=optimizer_setup.rounds_stochastically(choice, policy),
-        num_train_images=data.num_train_images, num_reg_images=data.num_reg_images,
-        resolution=cfg.data.resolution or data.datasets[0].spec.resolution, started=started)
-    saver = Saver(out_dir, cfg.save.save_model_as, save_dtype(cfg.save))
-    tracker = Tracker(cfg.log, asdict(cfg))
-    params = [p for g in groups for p in g["params"]]
-    updater = Updater(params, optimizer, scheduler, accumulation, plan.gradient_accumulation_steps,
-                      cfg.optimizer.max_grad_norm, cfg.precision.max_nan_steps,
-                      loss_scale=DynamicLossScale() if policy.loss_scaling else None,
-                      max_norm=(network, cfg.network.scale_weight_norms) if cfg.network.scale_weight_norms else None,
-                      fused=cfg.optimizer.fused_backward_pass)
-    batch_loss = BatchLoss(model, network, cfg.noise, cfg.loss, policy, device, noise_generator,
-                           cfg.model.clip_skip, cfg.model.max_token_length, train_te)
-    model_setup.compile_unet(model, cfg.precision)
-    snapshot = asdict(cfg)
 
-    def capture(pos: Position) -> dict:
-        upstream_epoch = pos.epoch + (1 if pos.batch else 0)  # sd-scripts: the 1-based epoch in progress
-        return {"network": network.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
-                "noise_rng": noise_generator.get_state(),
-                "train_state": {"current_epoch": upstream_epoch, "current_step": pos.step,
-                                "position": asdict(pos), "seed": seed, "config": snapshot}}
+    with open_output(cfg.save.output_dir, names.last, names.owns):  # before anything heavy loads
+        torch.manual_seed(seed)
+        random.seed(seed)
+        device = _device()
+        policy = precision_policy(cfg.precision)
+        model = model_setup.load_model(cfg.model, cfg.precision, policy, device)
+        if cfg.noise.zero_terminal_snr:
+            apply_zero_terminal_snr(model.noise_scheduler)
+        network, train_te = network_setup.build_network(cfg.network, model, policy, device)
+        if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
+            model_setup.cache_latents(data, model, policy, device, cfg.data)
+        groups, descriptions = network_setup.param_groups(network, cfg.optimizer)
+        optimizer = optimizer_setup.build_optimizer(choice, groups, cfg.optimizer.learning_rate)
+        scheduler = optimizer_setup.build_scheduler(optimizer, lr_schedule)
+        for warning in optimizer_setup.optimizer_warnings(choice, groups, cfg.schedule, cfg.precision.full_bf16,
+                                                          plan):
+            log.warning(warning)
+        log.info(policy.describe(optimizer_setup.optimizer_state_label(choice, policy)))
+        accumulation = build_accumulation(network, steps=cfg.schedule.gradient_accumulation_steps,
+                                          network_dtype=policy.network_dtype,
+                                          mode=cfg.precision.full_bf16_grad_accumulation,
+                                          seed=_stream_seed(seed, "accumulation"))
+        noise_generator = torch.Generator().manual_seed(seed)
+        loss_scale = DynamicLossScale() if policy.loss_scaling else None
+        state = TrainingState(network, optimizer, scheduler, noise_generator, accumulation, loss_scale, seed, route,
+                              asdict(cfg))
+        if cfg.save.save_state or cfg.save.save_state_on_train_end:
+            state.check_storable()
+        if saved is not None:
+            state.restore(saved)
 
-    saves = make_save_hooks(saver, names, network, capture, meta, cfg.save, plan.num_epochs)
-    try:
-        result = train_loop(
-            data=data, batch_loss=batch_loss, updater=updater, plan=plan, saves=saves, tracker=tracker,
-            lr_values=optimizer_setup.lr_reporter(optimizer, descriptions, choice),
-            on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet), start=start)
-    finally:
-        tracker.close()
-        accumulation.remove()
+        started = time.time()
+        meta = training_metadata(
+            cfg, plan, seed=seed, thumbnail=thumbnail, dataset_meta=data.metadata(),
+            network_meta=network_setup.network_meta(cfg.network),
+            optimizer_name=optimizer_description(optimizer, choice.options),
+            stochastic_rounding=optimizer_setup.rounds_stochastically(choice, policy),
+            num_train_images=data.num_train_images, num_reg_images=data.num_reg_images,
+            resolution=cfg.data.resolution or data.datasets[0].spec.resolution, started=started)
+        saver = Saver(Path(cfg.save.output_dir), cfg.save.save_model_as, save_dtype(cfg.save))
+        tracker = Tracker(cfg.log, asdict(cfg))
+        params = [p for g in groups for p in g["params"]]
+        updater = Updater(params, optimizer, scheduler, accumulation, plan.gradient_accumulation_steps,
+                          cfg.optimizer.max_grad_norm, cfg.precision.max_nan_steps, loss_scale=loss_scale,
+                          max_norm=(network, cfg.network.scale_weight_norms) if cfg.network.scale_weight_norms
+                          else None, fused=cfg.optimizer.fused_backward_pass)
+        batch_loss = BatchLoss(model, network, cfg.noise, cfg.loss, policy, device, noise_generator,
+                               cfg.model.clip_skip, cfg.model.max_token_length, train_te)
+        model_setup.compile_unet(model, cfg.precision)
+        saves = make_save_hooks(saver, names, network, state.capture, meta, cfg.save, plan.num_epochs)
+        try:
+            result = train_loop(
+                data=data, batch_loss=batch_loss, updater=updater, plan=plan, saves=saves, tracker=tracker,
+                lr_values=optimizer_setup.lr_reporter(optimizer, descriptions, choice),
+                on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet), start=start)
+        finally:
+            tracker.close()
+            accumulation.remove()
     log.info("optimizer state after training: %s", optimizer_state_dtype(optimizer))
     return RunResult(saver.lora_path(names.last), result)

@@ -96,9 +96,9 @@ def _iterate(loader) -> Iterator[dict]:
     """Iterate ``loader`` without touching torch's global generator.
 
     Creating a DataLoader iterator draws a worker base seed from the global generator. Our batches do not use it
-    (every random choice of a batch is keyed by seed, epoch and position), but a network whose dropout draws from
-    the global generator (a third-party ``--network_module``) would see that draw move with the epoch's start, so
-    that a resume mid-epoch would draw different masks than the uninterrupted run.
+    (every random choice of a batch is keyed by seed, epoch and position), but the network's dropouts draw from that
+    generator (``networks/lora_modules.py`` says why), so that draw, made at a resumed epoch's start, would shift
+    every mask after a resume mid-epoch.
     """
     with torch.random.fork_rng(devices=[]):
         iterator = iter(loader)

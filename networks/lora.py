@@ -13,7 +13,7 @@ convs get conv_dim/conv_alpha and Linear / 1x1 convs the linear dim/alpha. Keys:
 ``lora_te_text_model_<path>`` (``text_model`` kept for transformers 5, whose CLIPTextModel lost that submodule), each
 with ``.lora_down.weight``, ``.lora_up.weight`` and a 0-dim ``.alpha``; files load in diffusers, ComfyUI and A1111.
 
-Saving (§9.7) is atomic (``<file>.tmp`` then ``os.replace``); ``.safetensors`` gets the metadata plus
+Saving (§9.7) is atomic (a temporary sibling, then ``os.replace``); ``.safetensors`` gets the metadata plus
 ``sshs_model_hash`` / ``sshs_legacy_hash`` as sd-scripts' ``train_util.precalculate_safetensors_hashes``; other
 extensions use ``torch.save``.
 """
@@ -24,12 +24,14 @@ import hashlib
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from library.errors import UserError
+from library.files import write_bytes_atomic, write_file_atomic
 from networks.args import LoRAArgs, network_metadata, parse_network_args
 from networks.lora_modules import (
     TEXT_ENCODER_TARGETS,
@@ -309,10 +311,22 @@ def load_weights_file(file: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     if not os.path.isfile(path):
         raise UserError(f"network weights file not found: {path}")
     if path.endswith(".safetensors"):
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"{path}: not a readable .safetensors file ({exc})") from None
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for a bad file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"{path}: cannot be read as plain tensors ({first}); a pickle that needs more than that "
+                        "could run code, so it is not loaded: convert it to .safetensors") from None
+    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise UserError(f"{path}: holds a {type(loaded).__name__}, not a dict of LoRA tensors")
+    return loaded
 
 
 def safetensors_hashes(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[str, str]:
@@ -333,19 +347,14 @@ def safetensors_hashes(state_dict: Mapping[str, torch.Tensor], metadata: Mapping
 
 def save_weights_file(state_dict: Mapping[str, torch.Tensor], file: str | os.PathLike[str],
                       metadata: Mapping[str, str] | None) -> None:
-    """Write ``<file>.tmp`` then rename it over ``file``, so a crash never leaves a half-written LoRA."""
-    path = os.fspath(file)
-    tmp = path + ".tmp"
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import save_file
+    """Write through a temporary sibling and a rename (``library.files``), so that a crash never leaves a
+    half-written LoRA; the file gets the usual permissions (0666 less the umask)."""
+    path = Path(os.fspath(file))
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save
 
-            meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-            meta["sshs_model_hash"], meta["sshs_legacy_hash"] = safetensors_hashes(state_dict, meta)
-            save_file(dict(state_dict), tmp, meta)
-        else:
-            torch.save(dict(state_dict), tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+        meta["sshs_model_hash"], meta["sshs_legacy_hash"] = safetensors_hashes(state_dict, meta)
+        write_bytes_atomic(path, save(dict(state_dict), meta))
+    else:
+        write_file_atomic(path, lambda f: torch.save(dict(state_dict), f))

@@ -9,6 +9,11 @@ Dropouts, in training mode only, in sd-scripts' order (module -> down -> neuron 
 * ``dropout`` (neuron, ``--network_dropout``): inverted dropout on ``down(x)``, survivors x 1/(1-p);
 * ``rank_dropout``: a (batch, rank) keep-mask (``rand > p``) broadcast over tokens or H, W; the scale becomes
   ``scale / (1 - p)``, a fixed factor rather than the realised keep ratio.
+
+The draws come from torch's default generators on purpose: ``--gradient_checkpointing`` recomputes the forward in
+backward and ``torch.utils.checkpoint`` restores only those generators for it, so a private generator would draw
+other masks in the recomputation and give wrong gradients. The trainer keeps their sequence exact across a resume
+(their states are saved; the data loader does not draw from them).
 """
 
 from __future__ import annotations

@@ -55,6 +55,10 @@ def validate(cfg: TrainConfig) -> None:
                         "file, or builtin:tiny-sd15)")
     if not cfg.save.output_dir:
         problems.append("--output_dir is required: the folder where the LoRA is written")
+    name = cfg.save.output_name
+    if name is not None and (name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0"))):
+        problems.append(f"--output_name {name!r}: must be a plain file name (no folders, no \"..\"), since the files "
+                        "are written into --output_dir; put any folder into --output_dir instead")
     if not (cfg.data.train_data_dir or cfg.data.dataset_config or cfg.data.in_json):
         problems.append("no training data: give --train_data_dir (parent of <repeats>_<name> folders), "
                         "--dataset_config or --in_json")

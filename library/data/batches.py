@@ -194,7 +194,7 @@ class BatchSource(Dataset):
             if alpha_mask:
                 mask = self.latents.masks[key]
         else:
-            with np.load(self.latents.disk[key]) as npz:
+            with np.load(self.latents.disk[key], allow_pickle=False) as npz:
                 latents = torch.from_numpy(np.array(npz["latents_flipped" if flipped else "latents"],
                                                     dtype=np.float32))
                 if alpha_mask:

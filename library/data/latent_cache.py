@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from library.files import write_file_atomic
 
 CACHE_KEY = "sdsb_cache_key"
 LATENT_CHANNELS = 4
@@ -57,7 +57,7 @@ def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str, alph
         return False
     expected = (LATENT_CHANNELS, bucket[1] // LATENT_STRIDE, bucket[0] // LATENT_STRIDE)
     try:
-        with np.load(path) as npz:
+        with np.load(path, allow_pickle=False) as npz:  # an object array in a hostile file would unpickle
             if "latents" not in npz.files or tuple(npz["latents"].shape) != expected:
                 return False
             if flip_aug and "latents_flipped" not in npz.files:
@@ -74,7 +74,7 @@ def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str, alph
 def write(path: Path, latents: torch.Tensor, original_size: tuple[int, int],
           crop_ltrb: tuple[float, float, float, float], flipped: torch.Tensor | None, key: str,
           alpha_mask: torch.Tensor | None = None) -> None:
-    """Write one cache file atomically (temporary file in the same folder, then rename)."""
+    """Write one cache file atomically (temporary file in the same folder, then rename), mode 0666 less the umask."""
     arrays = {
         "latents": latents.float().cpu().numpy(),
         "original_size": np.array(original_size),
@@ -85,11 +85,4 @@ def write(path: Path, latents: torch.Tensor, original_size: tuple[int, int],
         arrays["latents_flipped"] = flipped.float().cpu().numpy()
     if alpha_mask is not None:
         arrays["alpha_mask"] = alpha_mask.float().cpu().numpy()
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_file_atomic(path, lambda f: np.savez(f, **arrays))

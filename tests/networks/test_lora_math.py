@@ -213,3 +213,21 @@ def test_out_of_range_dropout_rejected(make_tiny, key, value):
 def test_out_of_range_network_dropout_rejected(value):
     with pytest.raises(UserError, match=r"network_dropout.*\[0, 1\)"):
         lora.create_network(1.0, 4, 1, None, None, None, neuron_dropout=value)
+
+
+def test_dropout_masks_survive_gradient_checkpointing():
+    """Checkpointing recomputes the forward in backward, restoring only torch's default generators: the masks of the
+    recomputation (which the gradient uses) must be those of the forward, so the gradients equal a plain run's."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer, m = single_linear_module(dropout=0.5, rank_dropout=0.5)
+    m.train()
+    x = torch.randn(32, 16)
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(11)
+        m.lora_up.weight.grad = None
+        out = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+        (out**2).sum().backward()
+        grads.append(m.lora_up.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
