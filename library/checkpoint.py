@@ -11,6 +11,9 @@ too); an epoch save after epoch e (1-based) when ``e % n == 0`` and e is not the
 final file at the end. A state is written beside every save with ``--save_state``, and at the end with
 ``--save_state`` or ``--save_state_on_train_end``.
 
+A state is a folder (``library/state_file.py``: safetensors and JSON, no pickle); files and folders are replaced
+atomically (``library/files.py``), so an interruption leaves the previous save intact.
+
 Pruning (``train_util.get_remove_epoch_no`` / ``get_remove_step_no`` and ``save_and_remove_state_*``): after saving
 epoch e, the epoch save e - n·N is removed (N = ``--save_last_n_epochs``); after step s, the step save
 r - r mod n with r = s - N - 1 (N = ``--save_last_n_steps``, n = ``--save_every_n_steps``). States are pruned the same

@@ -137,6 +137,10 @@ def read_state(folder: str) -> SavedState:
         objects = _read_tensors(folder, path / TENSORS_FILE)
     elif (path / LEGACY_FILE).is_file():
         objects = _read_legacy(folder, path / LEGACY_FILE)
+    elif (path / "optimizer.bin").is_file():
+        raise UserError(f"--resume {folder}: a state written by sd-scripts (accelerate); its optimizer.bin and "
+                        "random_states_0.pkl are pickles, which could run code, so they are not read. Start a new "
+                        f"run; --network_weights {path / 'model.safetensors'} continues from its LoRA weights")
     else:
         raise UserError(f"--resume {folder}: no {TENSORS_FILE} in it (nor the {LEGACY_FILE} of earlier versions); "
                         "give a folder written by --save_state (<name>-state, <name>-step<N>-state, ...)")

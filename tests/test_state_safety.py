@@ -214,3 +214,14 @@ def test_legacy_state_of_another_optimizer_is_refused(good_state, tmp_path, caps
     args = train_args(tmp_path / "out", "--max_train_steps", "4", "--resume", str(legacy), "--optimizer_type", "Lion")
     _fails_cleanly(capsys, args, "(another optimizer?)")
     assert train_network.main(train_args(tmp_path / "ok", "--max_train_steps", "3", "--resume", str(legacy))) == 0
+
+
+def test_an_sd_scripts_state_is_refused_without_reading_its_pickles(tmp_path, capsys):
+    state = tmp_path / "up-state"
+    state.mkdir()
+    marker = tmp_path / "pwned"
+    torch.save({"state": Hostile(marker)}, state / "optimizer.bin")
+    (state / "train_state.json").write_text(json.dumps({"current_epoch": 1, "current_step": 1}))
+    _fails_cleanly(capsys, train_args(tmp_path / "out", "--resume", str(state)), "written by sd-scripts",
+                   "--network_weights")
+    assert not marker.exists()
