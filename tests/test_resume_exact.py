@@ -22,15 +22,15 @@ from tests.test_train_network import SAMPLES, train_args
 
 FULL_BF16 = ("--mixed_precision", "bf16", "--full_bf16")
 CASES = {
-    # before the dropouts had their own generators, these two were not exact (the data loader drew from the same)
-    "network_dropout": ("--network_dropout", "0.3", "--gradient_checkpointing"),
-    "rank_and_module_dropout": ("--network_args", "rank_dropout=0.3", "module_dropout=0.3"),
+    # not exact before the data loader stopped drawing from the generator the dropouts use
+    "dropouts": ("--network_dropout", "0.3", "--network_args", "rank_dropout=0.3", "module_dropout=0.3",
+                 "--gradient_checkpointing"),
     "fp32_noise_captions_accumulation": (
         "--noise_offset", "0.1", "--noise_offset_random_strength", "--adaptive_noise_scale", "0.01",
         "--multires_noise_iterations", "3", "--ip_noise_gamma", "0.1", "--ip_noise_gamma_random_strength",
         "--shuffle_caption", "--keep_tokens", "1", "--caption_dropout_rate", "0.3", "--caption_tag_dropout_rate",
         "0.3", "--flip_aug", "--gradient_accumulation_steps", "2"),
-    # before the accumulator was seeded and saved, this one was not exact
+    # not exact before the accumulator was seeded and its state saved
     "full_bf16_sr_accumulation": (*FULL_BF16, "--gradient_accumulation_steps", "2", "--optimizer_type",
                                   "StochasticAdamW"),
     "full_bf16_sr_wrapper": (*FULL_BF16, "--optimizer_type", "AdamW", "--optimizer_args", "stochastic_rounding=True",
