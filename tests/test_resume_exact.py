@@ -55,11 +55,13 @@ def test_resume_is_bit_exact(tmp_path, case):
     _interrupted_equals_whole(tmp_path, CASES[case], total=4, at=2)
 
 
-def test_resume_across_an_epoch_boundary(tmp_path):
+@pytest.mark.parametrize("at", [2, 3])
+def test_resume_across_an_epoch_boundary(tmp_path, at):
     folder = tmp_path / "data" / "1_three"
     folder.mkdir(parents=True)
     for src in sorted((SAMPLES / "10_shapes").iterdir())[:6]:
         shutil.copy(src, folder / src.name)
-    # 3 images, batch 2: 2 batches per epoch (the second short); saved at step 3 (epoch 2, after its first batch)
-    _interrupted_equals_whole(tmp_path, ("--network_dropout", "0.2", "--flip_aug"), total=6, at=3,
+    # 3 images, batch 2: 2 batches per epoch (the second short). Saved at step 2: after the last batch of epoch 1,
+    # before its end; at step 3: in epoch 2 after its first batch.
+    _interrupted_equals_whole(tmp_path, ("--network_dropout", "0.2", "--flip_aug"), total=6, at=at,
                               data=tmp_path / "data")
