@@ -132,7 +132,8 @@ def run(cfg: TrainConfig) -> RunResult:
                           max_norm=(network, cfg.network.scale_weight_norms) if cfg.network.scale_weight_norms
                           else None, fused=cfg.optimizer.fused_backward_pass)
         batch_loss = BatchLoss(model, network, cfg.noise, cfg.loss, policy, device, noise_generator,
-                               cfg.model.clip_skip, cfg.model.max_token_length, train_te)
+                               cfg.model.clip_skip, cfg.model.max_token_length, train_te,
+                               cfg.model.weighted_captions)
         model_setup.compile_unet(model, cfg.precision)
         saves = make_save_hooks(saver, names, network, state.capture, meta, cfg.save, plan.num_epochs)
         try:

@@ -21,7 +21,7 @@ from library.loss import training_loss
 from library.model_parts import SDModel
 from library.noise import loss_weight_snr, noisy_latents, sample_noise, sample_timesteps, training_target
 from library.precision import PrecisionPolicy
-from library.text_encoding import encode_text, tokenize
+from library.text_encoding import apply_token_weights, encode_text, tokenize, tokenize_with_weights
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class BatchLoss:
     clip_skip: int | None
     max_token_length: int | None
     train_text_encoder: bool
+    weighted_captions: bool = False
 
     def latents(self, batch: dict) -> torch.Tensor:
         """Scaled latents of the batch, from the cache or encoded now with the frozen VAE."""
@@ -56,10 +57,17 @@ class BatchLoss:
         return latents * vae.config.scaling_factor
 
     def conditioning(self, captions: list[str]) -> torch.Tensor:
-        ids = tokenize(self.model.tokenizer, captions, self.max_token_length).to(self.device)
+        """Encoder states of the captions; with ``--weighted_captions`` scaled by each token's caption weight."""
+        if self.weighted_captions:
+            ids, weights = tokenize_with_weights(self.model.tokenizer, captions, self.max_token_length)
+        else:
+            ids, weights = tokenize(self.model.tokenizer, captions, self.max_token_length), None
         with torch.set_grad_enabled(self.train_text_encoder), self.policy.autocast(self.device):
-            return encode_text(self.model.text_encoder, ids, clip_skip=self.clip_skip,
-                               max_token_length=self.max_token_length, v2=self.model.v2)
+            states = encode_text(self.model.text_encoder, ids.to(self.device), clip_skip=self.clip_skip,
+                                 max_token_length=self.max_token_length, v2=self.model.v2)
+            if weights is None:
+                return states
+            return apply_token_weights(states, weights, self.max_token_length)
 
     def __call__(self, batch: dict) -> torch.Tensor:
         if "network_multipliers" in batch:  # a batch never mixes datasets, so one multiplier serves it

@@ -22,7 +22,10 @@ class ModelConfig:
     clip_skip: int | None = flag(None, "use the text encoder's n-th hidden state from the end (2 is common)")
     max_token_length: int | None = flag(None, "caption length in tokens: 75 (default), 150 or 225",
                                         parse=parse_optional_int)
-    weighted_captions: bool = flag(False, 'caption weighting in the "(word:1.2)" / "[word]" style')
+    weighted_captions: bool = flag(
+        False, 'caption weighting in the standard style: "(word)" x1.1, "[word]" /1.1, "(word:1.3)" x1.3, nested '
+        'brackets multiply, "\\(" is a literal parenthesis; the text encoder output of each token is multiplied by '
+        "its weight. Put no commas inside brackets: --shuffle_caption and tag dropout split captions at commas")
     base_weights: list[str] = flag([], "LoRA files merged into the frozen model before training")
     base_weights_multiplier: list[float] = flag([], "multiplier of each --base_weights file (default 1.0 each)")
     lowram: bool = flag(False, "load the models straight onto the training device (for machines with more VRAM "
