@@ -76,6 +76,73 @@ def load_tokenizer(v2: bool) -> CLIPTokenizer:
     return CLIPTokenizer.from_pretrained(str(ASSETS / "clip_tokenizer"), **extra)
 
 
+# The hub tokenizers sd-scripts' SdTokenizeStrategy loads; their cache folder is named after them ("/" -> "_").
+TOKENIZER_IDS = {False: "openai/clip-vit-large-patch14", True: "stabilityai/stable-diffusion-2"}
+CLIP_VOCAB_SIZE = 49408  # SD1's CLIP-L and SD2's OpenCLIP-H share the vocabulary
+
+
+def cached_tokenizer_dir(cache_dir: str | os.PathLike[str], v2: bool) -> Path:
+    """``<cache_dir>/openai_clip-vit-large-patch14`` (SD1) or ``<cache_dir>/stabilityai_stable-diffusion-2``."""
+    return Path(cache_dir) / TOKENIZER_IDS[v2].replace("/", "_")
+
+
+def load_cached_tokenizer(cache_dir: str | os.PathLike[str], v2: bool) -> tuple[CLIPTokenizer, str]:
+    """``--tokenizer_cache_dir`` as sd-scripts' ``TokenizeStrategy._load_tokenizer``: the tokenizer saved in the
+    cache folder when it is there, else the bundled one (what sd-scripts would download), saved there first.
+
+    The saved copy is the bundled vocab.json / merges.txt / configs (SD2's with pad "!"), a layout that both
+    transformers 4 (sd-scripts) and 5 read. Returns the tokenizer and a line saying which way it came.
+    """
+    from transformers import CLIPTokenizer
+
+    folder = cached_tokenizer_dir(cache_dir, v2)
+    if folder.exists():
+        unreadable = (f"--tokenizer_cache_dir {cache_dir}: {folder} is not a readable CLIP tokenizer "
+                      "({}); delete that folder to have the bundled tokenizer saved there again")
+        has_vocab = (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()
+        if not (has_vocab or (folder / "tokenizer.json").is_file()):
+            raise UserError(unreadable.format("no vocab.json + merges.txt or tokenizer.json"))
+        try:
+            tokenizer = CLIPTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError) as exc:
+            raise UserError(unreadable.format(exc)) from exc
+        if len(tokenizer) != CLIP_VOCAB_SIZE:
+            raise UserError(unreadable.format(f"{len(tokenizer)} tokens, CLIP has {CLIP_VOCAB_SIZE}"))
+        return tokenizer, f"tokenizer read from the cache {folder}"
+    try:
+        _save_bundled_tokenizer(folder, v2)
+    except OSError as exc:
+        raise UserError(f"--tokenizer_cache_dir {cache_dir}: cannot write {folder} ({exc}); give a writable "
+                        "folder, or leave the flag out (the tokenizer is bundled)") from exc
+    return load_tokenizer(v2), f"bundled tokenizer saved to the cache {folder}"
+
+
+def _save_bundled_tokenizer(folder: Path, v2: bool) -> None:
+    """Copy the bundled tokenizer into ``folder`` through a temporary sibling, so no reader sees half of it."""
+    import json
+    import shutil
+    import tempfile
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        for file in (ASSETS / "clip_tokenizer").iterdir():
+            if file.suffix in (".json", ".txt"):
+                shutil.copyfile(file, staging / file.name)
+        if v2:
+            for name in ("tokenizer_config.json", "special_tokens_map.json"):
+                config = json.loads((staging / name).read_text(encoding="utf-8"))
+                config["pad_token"] = "!"
+                (staging / name).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        try:
+            staging.rename(folder)
+        except OSError:
+            if not folder.is_dir():  # another process saving at the same time is fine
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def build_noise_scheduler(v_parameterization: bool) -> DDPMScheduler:
     """sd-scripts' training scheduler: DDPM, scaled_linear 0.00085 → 0.012, 1000 steps, no sample clipping."""
     from diffusers import DDPMScheduler

@@ -86,12 +86,14 @@ def _replace_vae(model: SDModel, vae_path: str) -> None:
 
 
 def load_sd_model(
-    path: str, *, v2: bool = False, v_parameterization: bool = False, vae: str | None = None
+    path: str, *, v2: bool = False, v_parameterization: bool = False, vae: str | None = None,
+    file_device: str = "cpu",
 ) -> SDModel:
     """Load an SD 1.x / 2.x model for LoRA training, offline.
 
     ``path`` is ``builtin:tiny-sd15``, a diffusers folder, or a single-file checkpoint. ``v2`` must match the
-    model (sd-scripts' ``--v2``); ``vae`` replaces the VAE (sd-scripts' ``--vae``). Raises ``UserError`` for a
+    model (sd-scripts' ``--v2``); ``vae`` replaces the VAE (sd-scripts' ``--vae``). A single-file checkpoint is
+    read onto ``file_device`` (``--lowram``); the other forms load in CPU memory. Raises ``UserError`` for a
     missing path, an unknown file type, or an SD2 model without ``--v2``.
     """
     force_offline()
@@ -102,13 +104,13 @@ def load_sd_model(
         model.v_parameterization = v_parameterization
         model.noise_scheduler = build_noise_scheduler(v_parameterization)
     else:
-        model = _load_path(Path(path), v2=v2, v_parameterization=v_parameterization)
+        model = _load_path(Path(path), v2=v2, v_parameterization=v_parameterization, file_device=file_device)
     if vae is not None:
         _replace_vae(model, vae)
     return model
 
 
-def _load_path(path: Path, *, v2: bool, v_parameterization: bool) -> SDModel:
+def _load_path(path: Path, *, v2: bool, v_parameterization: bool, file_device: str) -> SDModel:
     if path.is_dir():
         if not (path / "model_index.json").is_file():
             raise UserError(
@@ -122,7 +124,7 @@ def _load_path(path: Path, *, v2: bool, v_parameterization: bool) -> SDModel:
                 f"--pretrained_model_name_or_path {path}: unknown file type {path.suffix!r}; "
                 f"accepted: {ACCEPTED_FORMS}"
             )
-        return single_file.load_checkpoint(path, v2=v2, v_parameterization=v_parameterization)
+        return single_file.load_checkpoint(path, v2=v2, v_parameterization=v_parameterization, device=file_device)
     hint = " (hub ids are not downloaded: give a local copy)" if "/" in str(path) and not path.parent.exists() else ""
     raise UserError(
         f"--pretrained_model_name_or_path {path}: no such file or folder{hint}; accepted: {ACCEPTED_FORMS}"

@@ -1,5 +1,6 @@
 """The network stage: import ``--network_module`` (any module with sd-scripts' ``create_network`` protocol, e.g.
-``networks.lora`` or ``lycoris.kohya``), attach it to the models, and hand its parameter groups to the optimizer.
+``networks.lora`` or ``lycoris.kohya``), merge ``--base_weights`` into the frozen models, attach the network to the
+models, and hand its parameter groups to the optimizer.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import logging
 
 import torch
 
-from library.config import NetworkConfig, OptimizerConfig
+from library.config import ModelConfig, NetworkConfig, OptimizerConfig
 from library.errors import UserError
 from library.model_parts import SDModel
 from library.precision import PrecisionPolicy
@@ -18,13 +19,75 @@ from networks.args import network_metadata
 
 log = logging.getLogger(__name__)
 
+def import_network_module(name: str):
+    """The module named by ``--network_module`` (``lycoris.kohya`` through our adapter)."""
+    try:
+        return importlib.import_module(NETWORK_MODULE_ALIASES.get(name, name))
+    except ImportError as exc:
+        raise UserError(f"--network_module {name}: cannot import it ({exc}); use networks.lora, "
+                        "or install the package that provides it (lycoris.kohya: pip install lycoris-lora)") from exc
+
+
+def merge_base_weights(cfg: ModelConfig, network_module: str, model: SDModel, policy: PrecisionPolicy) -> None:
+    """``--base_weights``: merge each file into the frozen UNet / text encoder, as sd-scripts' ``train_network.py``:
+    ``--network_module``'s ``create_network_from_weights(multiplier, file, ..., for_inference=True)`` then its
+    ``merge_to(text_encoder, unet, weights, dtype, device)``; the i-th file takes the i-th
+    ``--base_weights_multiplier``, 1.0 where there is none. Runs before the weights are stored in fp8.
+
+    A file that cannot be read, has no module of this network type, or names or shapes layers this model does
+    not have is a ``UserError`` naming the file; sd-scripts would skip such modules without a word.
+    """
+    if not cfg.base_weights:
+        return
+    module = import_network_module(network_module)
+    for i, file in enumerate(cfg.base_weights):
+        multiplier = cfg.base_weights_multiplier[i] if i < len(cfg.base_weights_multiplier) else 1.0
+        log.info("merging %s into the model with multiplier %s", file, multiplier)
+        weights = _read_base_weights(file)
+        network, weights = module.create_network_from_weights(multiplier, file, model.vae, model.text_encoder,
+                                                              model.unet, weights_sd=weights, for_inference=True)
+        _check_fits(file, network, weights, network_module)
+        try:
+            network.merge_to(model.text_encoder, model.unet, weights, policy.frozen_dtype, None)
+        except (RuntimeError, ValueError) as exc:
+            raise UserError(f"--base_weights {file}: does not fit this model ({exc}); give a LoRA trained on "
+                            "this model type (SD 1.x or 2.x, matching --v2)") from exc
+    log.info("all base weights merged: %s", ", ".join(cfg.base_weights))
+
+
+def _read_base_weights(file: str) -> dict[str, torch.Tensor]:
+    from networks.lora import load_weights_file
+
+    try:
+        return load_weights_file(file)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"--base_weights {file}: cannot be read as a LoRA file ({type(exc).__name__}: {exc}); "
+                        "give a .safetensors LoRA") from exc
+
+
+def _check_fits(file: str, network: torch.nn.Module, weights: dict[str, torch.Tensor], network_module: str) -> None:
+    """Every module the file names must be a module of the network built on this model."""
+    if not hasattr(network, "merge_to"):
+        raise UserError(f"--base_weights {file}: the network module cannot merge weights (no merge_to); use "
+                        "--network_module networks.lora")
+    in_file = {key.split(".", 1)[0] for key in weights}
+    in_model = {m.lora_name for m in network.modules() if isinstance(getattr(m, "lora_name", None), str)}
+    if not in_file & in_model:
+        raise UserError(f"--base_weights {file}: none of its {len(in_file)} modules is a layer of this model "
+                        f"(e.g. {min(in_file, default='no tensors')}); give a LoRA file (lora_unet_* / lora_te_* "
+                        "keys) trained on this model type (SD 1.x or 2.x, matching --v2)")
+    unknown = sorted(in_file - in_model)
+    if unknown:
+        raise UserError(f"--base_weights {file}: {len(unknown)} of its modules match no layer that "
+                        f"--network_module {network_module} targets in this model (e.g. {unknown[0]}); give a LoRA "
+                        "trained on this model type (SD 1.x or 2.x, matching --v2) with that network module")
+
+
 def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, device: torch.device):
     """Create the network with ``--network_module``'s ``create_network`` and attach it to the models."""
-    try:
-        module = importlib.import_module(NETWORK_MODULE_ALIASES.get(cfg.network_module, cfg.network_module))
-    except ImportError as exc:
-        raise UserError(f"--network_module {cfg.network_module}: cannot import it ({exc}); use networks.lora, "
-                        "or install the package that provides it (lycoris.kohya: pip install lycoris-lora)") from exc
+    module = import_network_module(cfg.network_module)
     kwargs = parse_network_args(cfg.network_args)
     train_unet = not cfg.network_train_text_encoder_only
     train_te = not cfg.network_train_unet_only

@@ -4,7 +4,10 @@ sd-scripts (SD_SCRIPTS_BEHAVIOR.md §12): ``--mixed_precision`` sets the dtype o
 text encoder and the autocast dtype; the VAE follows it unless ``--no_half_vae``; LoRA weights stay
 fp32 unless ``--full_fp16`` / ``--full_bf16`` cast the network. The loss is always computed in fp32.
 Where we do better: under ``--full_bf16`` every optimizer write-back is stochastically rounded (see
-``optimizers/``), so small updates are not lost to round-to-nearest.
+``optimizers/``), so small updates are not lost to round-to-nearest. ``--fp8_base`` stores the frozen UNet and
+text encoder weights (``--fp8_base_unet``: the UNet's only) in float8_e4m3fn, computed in the mixed dtype
+(``library/fp8.py``); sd-scripts requires ``--mixed_precision`` fp16 or bf16 for it, and so does
+``library/config/precision.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class PrecisionPolicy:
     network_dtype: torch.dtype
     autocast_dtype: torch.dtype | None
     loss_scaling: bool
+    unet_fp8: bool = False
+    text_encoder_fp8: bool = False
 
     def autocast(self, device: torch.device):
         """The autocast context for the forward pass (a no-op context in fp32)."""
@@ -40,7 +45,10 @@ class PrecisionPolicy:
 
     def describe(self, optimizer_state: str) -> str:
         """One line naming the dtype of every part, printed at the start of a run."""
-        return (f"precision: UNet {dtype_name(self.frozen_dtype)}, text encoder {dtype_name(self.frozen_dtype)}, "
+        frozen = dtype_name(self.frozen_dtype)
+        unet = f"fp8 e4m3fn computed in {frozen}" if self.unet_fp8 else frozen
+        text_encoder = f"fp8 e4m3fn computed in {frozen}" if self.text_encoder_fp8 else frozen
+        return (f"precision: UNet {unet}, text encoder {text_encoder}, "
                 f"VAE {dtype_name(self.vae_dtype)}, LoRA weights {dtype_name(self.network_dtype)}, "
                 f"gradients {dtype_name(self.network_dtype)}, optimizer state {optimizer_state}, "
                 f"autocast {dtype_name(self.autocast_dtype) if self.autocast_dtype else 'off'}, loss fp32"
@@ -57,6 +65,8 @@ def precision_policy(cfg: PrecisionConfig) -> PrecisionPolicy:
         network_dtype=network,
         autocast_dtype=None if cfg.mixed_precision == "no" else weight,
         loss_scaling=cfg.mixed_precision == "fp16",
+        unet_fp8=cfg.fp8_base or cfg.fp8_base_unet,
+        text_encoder_fp8=cfg.fp8_base and not cfg.fp8_base_unet,
     )
 
 

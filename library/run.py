@@ -91,11 +91,13 @@ def run(cfg: TrainConfig) -> RunResult:
         device = _device()
         policy = precision_policy(cfg.precision)
         model = model_setup.load_model(cfg.model, cfg.precision, policy, device)
+        network_setup.merge_base_weights(cfg.model, cfg.network.network_module, model, policy)
+        model_setup.store_frozen_fp8(model, policy)
         if cfg.noise.zero_terminal_snr:
             apply_zero_terminal_snr(model.noise_scheduler)
         network, train_te = network_setup.build_network(cfg.network, model, policy, device)
         if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
-            model_setup.cache_latents(data, model, policy, device, cfg.data)
+            model_setup.cache_latents(data, model, policy, device, cfg.data, cfg.model.highvram)
         groups, descriptions = network_setup.param_groups(network, cfg.optimizer)
         optimizer = optimizer_setup.build_optimizer(choice, groups, cfg.optimizer.learning_rate)
         scheduler = optimizer_setup.build_scheduler(optimizer, lr_schedule)

@@ -183,18 +183,19 @@ def diffusers_to_openclip(state: StateDict, num_layers: int) -> StateDict:
     return out
 
 
-def read_state_dict(path: Path) -> tuple[StateDict, dict[str, str]]:
-    """Tensors and metadata of a checkpoint; ``.ckpt``/``.pt`` only via ``torch.load(weights_only=True)``."""
+def read_state_dict(path: Path, device: str = "cpu") -> tuple[StateDict, dict[str, str]]:
+    """Tensors (on ``device``) and metadata of a checkpoint; ``.ckpt``/``.pt`` only via
+    ``torch.load(weights_only=True)``."""
     import torch
 
     if path.suffix.lower() == ".safetensors":
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="pt", device=device) as f:
             names = list(f.keys())
             return {k: f.get_tensor(k) for k in names}, dict(f.metadata() or {})
     try:
-        loaded = torch.load(str(path), map_location="cpu", weights_only=True)
+        loaded = torch.load(str(path), map_location=device, weights_only=True)
     except Exception as exc:
         raise UserError(
             f"{path}: cannot be read as a weights-only PyTorch checkpoint ({type(exc).__name__}: {exc}); "
@@ -256,17 +257,19 @@ def _load_into(module: torch.nn.Module, state: StateDict, what: str, path: Path,
 
 
 def load_checkpoint(
-    path: Path, *, v2: bool, v_parameterization: bool, dtype: torch.dtype | None = None
+    path: Path, *, v2: bool, v_parameterization: bool, dtype: torch.dtype | None = None, device: str = "cpu"
 ) -> SDModel:
     """Load a single-file SD 1.x / 2.x checkpoint with the bundled config that fits it.
 
     ``dtype`` None gives float32, as sd-scripts' loader does (it fills fp32 diffusers models); the precision
-    policy casts afterwards. Raises ``UserError`` when ``--v2`` disagrees with the file.
+    policy casts afterwards. ``device`` is where the tensors are read to and the models live (``--lowram`` reads
+    them straight to the GPU, as sd-scripts' ``load_models_from_stable_diffusion_checkpoint(device=...)``).
+    Raises ``UserError`` when ``--v2`` disagrees with the file.
     """
     import torch
 
     dtype = dtype or torch.float32
-    state, metadata = read_state_dict(path)
+    state, metadata = read_state_dict(path, device)
     name = detect_config(path, state, metadata, v_parameterization=v_parameterization)
     file_is_v2 = name.startswith("sd2")
     check_v2_flag(path, file_is_v2=file_is_v2, v2=v2)

@@ -146,7 +146,10 @@ class LoRANetwork(nn.Module):
 
     def merge_to(self, text_encoder: Any, unet: Any, weights_sd: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
                  device: torch.device | str | None) -> None:
-        """Add ``multiplier * alpha/rank * up @ down`` from ``weights_sd`` into the original weights (no patching)."""
+        """Add ``multiplier * alpha/rank * up @ down`` from ``weights_sd`` into the original weights (no patching).
+
+        A 1x1-conv product merges into a Linear and back (same numbers); any other shape mismatch is a ValueError.
+        """
         for lora in self.loras:
             down = weights_sd.get(f"{lora.lora_name}.lora_down.weight")
             up = weights_sd.get(f"{lora.lora_name}.lora_up.weight")
@@ -158,6 +161,10 @@ class LoRANetwork(nn.Module):
             weight = lora.org_module.weight
             target = device if device is not None else weight.device
             delta = lora_product(up.to(target, torch.float32), down.to(target, torch.float32))
+            if delta.numel() != weight.numel():
+                raise ValueError(f"{lora.lora_name}: the file's up @ down is {tuple(delta.shape)}, the layer's "
+                                 f"weight {tuple(weight.shape)}")
+            delta = delta.reshape(weight.shape)
             merged = weight.to(target, torch.float32) + lora.multiplier * scale * delta
             with torch.no_grad():
                 weight.copy_(merged.to(dtype or weight.dtype))

@@ -22,19 +22,36 @@ class PrecisionConfig:
     full_bf16_grad_accumulation: str = flag(
         "stochastic", "how bf16 gradients are summed over --gradient_accumulation_steps: a bf16 sum with "
         "stochastic rounding (2 bytes/param) or an fp32 buffer (4 bytes/param)", choices=("stochastic", "fp32"))
-    fp8_base: bool = flag(False, "store the frozen UNet and text encoder weights as float8_e4m3fn, computed in the "
-                          "--mixed_precision dtype")
+    fp8_base: bool = flag(False, "store the frozen UNet and text encoder weights (not the embeddings) as "
+                          "float8_e4m3fn, half the memory of bf16, computed in the --mixed_precision dtype "
+                          "(needs --mixed_precision fp16 or bf16)")
     fp8_base_unet: bool = flag(False, "like --fp8_base for the UNet only; the text encoder stays in the "
-                               "--mixed_precision dtype")
+                               "--mixed_precision dtype (also with --fp8_base)")
     no_half_vae: bool = flag(False, "keep the VAE in fp32 under mixed precision")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory")
-    cpu_offload_checkpointing: bool = flag(False, "with --gradient_checkpointing, keep the checkpointed activations "
-                                           "in CPU memory")
+    cpu_offload_checkpointing: bool = flag(
+        False, "with --gradient_checkpointing, keep the tensors saved at the UNet's checkpoints (each block's "
+        "inputs) in pinned CPU memory until backward needs them; the text encoder is not offloaded; nothing "
+        "moves when training on the CPU")
     sdpa: bool = flag(False, "PyTorch scaled-dot-product attention; accepted for compatibility: it is always the "
-                      "attention here unless --xformers is given")
+                      "UNet's attention here unless --xformers is given")
     xformers: bool = flag(False, "use xformers memory-efficient attention (needs the xformers package)")
     mem_eff_attn: bool = flag(False, "memory-efficient attention; accepted for compatibility: PyTorch's "
-                              "scaled-dot-product attention (always on here) already is memory-efficient")
+                              "scaled-dot-product attention (always on here unless --xformers) picks a "
+                              "memory-efficient kernel itself")
     torch_compile: bool = flag(False, "compile the UNet with torch.compile")
     dynamo_backend: str = flag("inductor", "torch.compile backend (no: do not compile)", choices=DYNAMO_BACKENDS)
     max_nan_steps: int = flag(3, "non-finite losses/gradients in a row before the run stops (last good LoRA saved)")
+
+
+def precision_problems(cfg: PrecisionConfig) -> list[str]:
+    """Checks of this section alone (sd-scripts' rules where it has one)."""
+    problems = []
+    for name in ("fp8_base", "fp8_base_unet"):
+        if getattr(cfg, name) and cfg.mixed_precision == "no":
+            problems.append(f"--{name} needs --mixed_precision bf16 or fp16 (as in sd-scripts): the fp8 weights are "
+                            "computed in that dtype")
+    if cfg.cpu_offload_checkpointing and not cfg.gradient_checkpointing:
+        problems.append("--cpu_offload_checkpointing offloads the tensors of gradient checkpointing; add "
+                        "--gradient_checkpointing or drop it")
+    return problems

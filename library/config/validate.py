@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from library.config.model import model_problems
 from library.config.network import network_module_problems
+from library.config.precision import precision_problems
 from library.config.sections import TrainConfig
 from library.config.unavailable import unavailable_problems
 from library.errors import UserError
@@ -49,7 +51,8 @@ def _range_problems(cfg: TrainConfig) -> list[str]:
 
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks, run before anything is loaded; every problem is reported at once."""
-    problems = _range_problems(cfg) + unavailable_problems(cfg.unavailable) + network_module_problems(cfg.network)
+    problems = (_range_problems(cfg) + unavailable_problems(cfg.unavailable) + network_module_problems(cfg.network)
+                + model_problems(cfg.model) + precision_problems(cfg.precision))
     if not cfg.model.pretrained_model_name_or_path:
         problems.append("--pretrained_model_name_or_path is required (a diffusers folder, a .safetensors/.ckpt "
                         "file, or builtin:tiny-sd15)")
