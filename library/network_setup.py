@@ -73,7 +73,9 @@ def _check_fits(file: str, network: torch.nn.Module, weights: dict[str, torch.Te
         raise UserError(f"--base_weights {file}: the network module cannot merge weights (no merge_to); use "
                         "--network_module networks.lora")
     in_file = {key.split(".", 1)[0] for key in weights}
-    in_model = {m.lora_name for m in network.modules() if isinstance(getattr(m, "lora_name", None), str)}
+    # networks.lora registers its modules; LyCORIS keeps them in the unet_loras / text_encoder_loras lists only
+    modules = [*network.modules(), *getattr(network, "unet_loras", []), *getattr(network, "text_encoder_loras", [])]
+    in_model = {m.lora_name for m in modules if isinstance(getattr(m, "lora_name", None), str)}
     if not in_file & in_model:
         raise UserError(f"--base_weights {file}: none of its {len(in_file)} modules is a layer of this model "
                         f"(e.g. {min(in_file, default='no tensors')}); give a LoRA file (lora_unet_* / lora_te_* "

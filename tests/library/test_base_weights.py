@@ -166,3 +166,22 @@ def test_missing_file_and_extra_multipliers_are_config_problems(tmp_path):
         "without one use 1.0)",
     ]
     assert model_problems(ModelConfig(base_weights=[str(existing)])) == []
+
+
+def test_lycoris_file_merges_through_its_network_module(tiny, tmp_path):
+    pytest.importorskip("lycoris")
+    from networks import lycoris_adapter
+
+    model = fresh(tiny)
+    network = lycoris_adapter.create_network(1.0, 4, 2, None, model.text_encoder, model.unet, algo="locon")
+    network.apply_to(model.text_encoder, model.unet, True, True)
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in network.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    path = tmp_path / "locon.safetensors"
+    network.save_weights(str(path), None, {})
+    merged = fresh(tiny)
+    merge_base_weights(ModelConfig(base_weights=[str(path)]), "lycoris.kohya", merged, POLICY)
+    torch.testing.assert_close(unet_output(merged), unet_output(model), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(unet_output(merged), unet_output(tiny), atol=1e-3)

@@ -137,3 +137,27 @@ def test_encoded_weighted_caption(tok1, text_encoder):
     expected = plain.clone()
     expected[0, 2] *= 2.0  # "cat" is token 2 of the first chunk
     torch.testing.assert_close(weighted, expected)
+
+
+def test_batch_loss_conditioning_applies_the_weights():
+    from library.config import LossConfig, NoiseConfig, PrecisionConfig
+    from library.precision import precision_policy
+    from library.step import BatchLoss
+    from library.tiny_model import build_tiny_sd15
+
+    model = build_tiny_sd15()
+
+    def conditioning(weighted: bool) -> torch.Tensor:
+        batch_loss = BatchLoss(model, None, NoiseConfig(), LossConfig(), precision_policy(PrecisionConfig()),
+                               torch.device("cpu"), torch.Generator(), None, None, False, weighted)
+        with torch.no_grad():
+            return batch_loss.conditioning(["a (cat:1.5)"])
+
+    plain, weighted = conditioning(False), conditioning(True)  # the plain path reads "(cat:1.5)" as text
+    ids = tokenize(model.tokenizer, ["a cat"], None)
+    with torch.no_grad():
+        unweighted_cat = encode_text(model.text_encoder, ids, clip_skip=None, max_token_length=None, v2=False)
+    expected = unweighted_cat.clone()
+    expected[0, 2] *= 1.5
+    torch.testing.assert_close(weighted, expected, rtol=0, atol=0)
+    assert plain.shape == weighted.shape and not torch.equal(plain, weighted)
