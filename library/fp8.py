@@ -7,8 +7,12 @@ not do that everywhere (on the CPU GroupNorm refuses fp8 parameters, and nothing
 each Linear, Conv2d, GroupNorm and LayerNorm whose parameters are stored in fp8 gets a forward that casts them to
 the compute dtype first. The values are the same: every e4m3fn number is exact in bf16 and fp16, so the result
 equals sd-scripts' on CUDA. Other layers (the text encoder's embeddings) keep the compute dtype, as in sd-scripts.
-The upcast copy lives only for the duration of one layer's forward (or until backward needs it), so the resident
-weights take one byte per parameter.
+
+Where we do better: the backward pass of a frozen layer still needs its weight (for the gradient of the layer's
+input, on the way to the LoRA modules before it). Autocast's upcast copy is what autograd keeps for that, so in
+sd-scripts every fp8 weight also exists in bf16 from its forward until its backward, and without gradient
+checkpointing the peak memory is higher than plain bf16. Here Linear and Conv2d keep the fp8 weight for backward
+and cast it again there (``_Fp8Linear``, ``_Fp8Conv2d``), so an upcast copy lives only while one layer computes.
 """
 
 from __future__ import annotations
@@ -26,12 +30,49 @@ def _up(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if tensor is None else tensor.to(dtype)
 
 
+class _Fp8Linear(torch.autograd.Function):
+    """``F.linear`` with a frozen fp8 weight that autograd keeps in fp8 (the input's gradient only)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight.to(dtype), _up(bias, dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        grad_x = grad.matmul(weight.to(grad.dtype)) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None
+
+
+class _Fp8Conv2d(torch.autograd.Function):
+    """``F.conv2d`` (zero padding given as numbers) with a frozen fp8 weight kept in fp8 for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype, stride, padding, dilation, groups):
+        ctx.save_for_backward(weight)
+        ctx.geometry = (x.shape, stride, padding, dilation, groups)
+        return F.conv2d(x, weight.to(dtype), _up(bias, dtype), stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        shape, stride, padding, dilation, groups = ctx.geometry
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.nn.grad.conv2d_input(shape, weight.to(grad.dtype), grad, stride, padding, dilation, groups)
+        return grad_x, None, None, None, None, None, None, None
+
+
 def _linear(module: nn.Linear, dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, _up(module.weight, dtype), _up(module.bias, dtype))
+    return _Fp8Linear.apply(x, module.weight, module.bias, dtype)
 
 
 def _conv2d(module: nn.Conv2d, dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
-    return module._conv_forward(x, _up(module.weight, dtype), _up(module.bias, dtype))
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return module._conv_forward(x, _up(module.weight, dtype), _up(module.bias, dtype))
+    return _Fp8Conv2d.apply(x, module.weight, module.bias, dtype, module.stride, module.padding, module.dilation,
+                            module.groups)
 
 
 def _group_norm(module: nn.GroupNorm, dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:

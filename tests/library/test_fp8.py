@@ -100,6 +100,56 @@ def test_lora_trains_on_an_fp8_unet(tiny):
     assert all(p.grad is None for p in unet.parameters())
 
 
+def lora_grads(unet, seed=0):
+    from networks.lora import create_network
+
+    network = create_network(1.0, 4, 1, None, None, unet)
+    network.apply_to(None, unet, False, True)
+    network.prepare_grad_etc(None, unet)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in network.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    x, t, cond = unet_inputs()
+    with torch.autocast("cpu", dtype=BF16):
+        unet(x, t, cond).sample.float().pow(2).mean().backward()
+    return {name: p.grad for name, p in network.named_parameters()}
+
+
+def test_lora_gradients_through_fp8_layers_equal_the_rounded_reference(tiny):
+    unet = copy.deepcopy(tiny.unet)
+    store_fp8(unet, BF16)
+    got, expected = lora_grads(unet), lora_grads(rounded_through_fp8(tiny.unet))
+    assert got.keys() == expected.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("layer", [torch.nn.Linear(64, 48), torch.nn.Conv2d(16, 24, 3, padding=1)],
+                         ids=["linear", "conv"])
+def test_backward_keeps_the_fp8_weight_not_an_upcast_copy(layer):
+    layer = layer.to(BF16).requires_grad_(False)
+    store_fp8(layer, BF16)
+    x = torch.randn((2, 64) if isinstance(layer, torch.nn.Linear) else (2, 16, 8, 8), dtype=BF16,
+                    requires_grad=True)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = layer(x)
+    assert [(t.dtype, t.shape) for t in saved] == [(FP8, layer.weight.shape)]
+    out.float().sum().backward()
+    reference = layer.weight.to(BF16)
+    x2 = x.detach().requires_grad_(True)
+    forward = torch.nn.functional.linear if isinstance(layer, torch.nn.Linear) else (
+        lambda inp, w: torch.nn.functional.conv2d(inp, w, padding=1))
+    forward(x2, reference).float().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("flags,unet_fp8,te_fp8", [
     ({"fp8_base": True}, True, True),
     ({"fp8_base_unet": True}, True, False),
