@@ -39,6 +39,8 @@ ROWS = {
     "mixed bf16": [],
     "mixed bf16 + --fp8_base_unet": ["--fp8_base_unet"],
     "mixed bf16 + --fp8_base": ["--fp8_base"],
+    "mixed bf16, checkpointing": ["--gradient_checkpointing"],
+    "mixed bf16 + --fp8_base, checkpointing": ["--fp8_base", "--gradient_checkpointing"],
 }
 
 
