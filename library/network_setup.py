@@ -60,11 +60,8 @@ def _read_base_weights(file: str) -> dict[str, torch.Tensor]:
 
     try:
         return load_weights_file(file)
-    except UserError:
-        raise
-    except Exception as exc:
-        raise UserError(f"--base_weights {file}: cannot be read as a LoRA file ({type(exc).__name__}: {exc}); "
-                        "give a .safetensors LoRA") from exc
+    except UserError as exc:  # its messages start with the file's path
+        raise UserError(*(f"--base_weights {message}" for message in exc.messages)) from None
 
 
 def _check_fits(file: str, network: torch.nn.Module, weights: dict[str, torch.Tensor], network_module: str) -> None:

@@ -125,7 +125,7 @@ def test_not_a_lora_file(tiny, tmp_path):
 def test_unreadable_file(tiny, tmp_path):
     path = tmp_path / "broken.safetensors"
     path.write_bytes(b"not a safetensors file")
-    with pytest.raises(UserError, match=f"--base_weights {path}: cannot be read"):
+    with pytest.raises(UserError, match=f"--base_weights {path}: not a readable .safetensors file"):
         merge_base_weights(ModelConfig(base_weights=[str(path)]), "networks.lora", fresh(tiny), POLICY)
 
 
