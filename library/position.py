@@ -1,4 +1,4 @@
-"""Small types shared by the training loop and the writers: where training stands, and the save callbacks.
+"""Small types shared by the training loop and the writers: where training stands, the save and sample callbacks.
 
 Both ``library/train.py`` (the loop) and ``library/checkpoint.py`` (the writers) import these; neither imports the
 other for them.
@@ -33,3 +33,15 @@ class SaveHooks:
     step_save: Callable[[Position], None]
     epoch_save: Callable[[Position], None]
     final_save: Callable[[Position], None]
+
+
+@dataclass(frozen=True)
+class SampleHooks:
+    """When the loop draws sample images (sd-scripts' cadence, decided before the loop) and the callback that
+    draws them. ``sample(pos, epoch)`` names the images after ``epoch`` (0 for the images at first) or, when
+    ``epoch`` is None, after ``pos.step``. ``every_n_steps`` is None when the epoch cadence is set."""
+
+    every_n_steps: int | None
+    every_n_epochs: int | None
+    at_first: bool
+    sample: Callable[[Position, int | None], None]

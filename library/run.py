@@ -1,6 +1,6 @@
 """``run(cfg)``: the only function that sees the whole config; it wires the stages in order.
 
-validate → the ``--resume`` state (read and checked; its seed) → data (no model needed, so data errors come
+validate → sample prompts → the ``--resume`` state (read and checked; its seed) → data (no model needed, so data errors come
 before anything loads) → step plan and start position → trajectory check against the state → output folder
 (lock, writability, cleanup after interrupted saves) → models → precision → network → optimizer → LR schedule →
 latent cache → restore the state → loop → final save. Each stage gets only its own config section. Nothing is
@@ -29,6 +29,8 @@ from library.noise import apply_zero_terminal_snr
 from library.output import open_output
 from library.precision import optimizer_state_dtype, precision_policy
 from library.resume import TrainingState, check_trajectory, saved_position, saved_seed, start_position
+from library.sample_prompts import plan_samples
+from library.sampling import make_sample_hooks
 from library.schedule import describe, plan_steps
 from library.state_file import read_state
 from library.step import BatchLoss
@@ -58,6 +60,7 @@ def _stream_seed(seed: int, stream: str) -> int:
 def run(cfg: TrainConfig) -> RunResult:
     """Train a LoRA as described by ``cfg``; returns the final file and the loop's figures."""
     validate(cfg)
+    sample_plan = plan_samples(cfg.sample)
     choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
     thumbnail = thumbnail_data_url(cfg.save.metadata_thumbnail)
     saved = read_state(cfg.save.resume) if cfg.save.resume else None
@@ -137,11 +140,13 @@ def run(cfg: TrainConfig) -> RunResult:
                                cfg.model.clip_skip, cfg.model.max_token_length, train_te,
                                cfg.model.weighted_captions)
         model_setup.compile_unet(model, cfg.precision)
+        samples = make_sample_hooks(sample_plan, model, network, policy, device, Path(cfg.save.output_dir),
+                                    cfg.save.output_name, tracker, cfg.model.clip_skip)
         saves = make_save_hooks(saver, names, network, state.capture, meta, cfg.save, plan.num_epochs)
         try:
             result = train_loop(
-                data=data, batch_loss=batch_loss, updater=updater, plan=plan, saves=saves, tracker=tracker,
-                lr_values=optimizer_setup.lr_reporter(optimizer, descriptions, choice),
+                data=data, batch_loss=batch_loss, updater=updater, plan=plan, saves=saves, samples=samples,
+                tracker=tracker, lr_values=optimizer_setup.lr_reporter(optimizer, descriptions, choice),
                 on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet), start=start)
         finally:
             tracker.close()

@@ -2,7 +2,8 @@
 
 Tags (SD_SCRIPTS_BEHAVIOR.md §6): ``loss/current``, ``loss/average`` (moving average over the last
 epoch's worth of steps), ``loss/epoch_average``, ``lr/textencoder`` and ``lr/unet`` (or ``lr/group<i>``),
-``lr/d*lr/<group>`` for learning-rate-free optimizers, ``grad_norm``, ``max_norm/*``.
+``lr/d*lr/<group>`` for learning-rate-free optimizers, ``grad_norm``, ``max_norm/*``; sample images as
+``sample_<index>`` (sd-scripts logs them to wandb only, with the prompt as caption; here TensorBoard gets them too).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 from library.config import LogConfig
 from library.errors import UserError
@@ -73,6 +75,20 @@ class Tracker:
                     writer.add_scalar(tag, value, step)
             else:
                 writer.log(values, step=step)
+
+    def log_images(self, images: dict[str, tuple[Any, str]], step: int) -> None:
+        """Log PIL images, each with a caption (wandb shows it; TensorBoard has no caption)."""
+        for kind, writer in self._writers:
+            if kind == "tensorboard":
+                import numpy as np
+
+                for tag, (image, _) in images.items():
+                    writer.add_image(tag, np.asarray(image), step, dataformats="HWC")
+            else:
+                import wandb
+
+                writer.log({tag: wandb.Image(image, caption=caption) for tag, (image, caption) in images.items()},
+                           step=step)
 
     def close(self) -> None:
         for kind, writer in self._writers:

@@ -1,4 +1,4 @@
-"""The training loop: for each batch compute the loss, backward, and on an update step update, log, save.
+"""The training loop: for each batch compute the loss, backward, and on an update step update, log, sample, save.
 
 Everything it needs (precision, accumulation, rounding, saving cadence) is decided before the loop and
 handed in; the loop itself has no feature switches. The arithmetic is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md
@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from library.errors import TrainingDiverged
-from library.position import Position, SaveHooks
+from library.position import Position, SampleHooks, SaveHooks
 from library.schedule import StepPlan
 from library.tracking import LossAverage, Tracker
 from library.update import Updater
@@ -35,7 +35,7 @@ class LoopResult:
 
 
 def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Updater, plan: StepPlan,
-               saves: SaveHooks, tracker: Tracker, lr_values: Callable[[], dict[str, float]],
+               saves: SaveHooks, samples: SampleHooks, tracker: Tracker, lr_values: Callable[[], dict[str, float]],
                on_epoch_start: Callable[[int], None], start: Position) -> LoopResult:
     """Train from ``start`` until ``plan.max_train_steps`` updates; returns where it ended.
 
@@ -45,6 +45,8 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
     loader = data.dataloader()
     average = LossAverage(len(loader))
     accum = plan.gradient_accumulation_steps
+    if samples.at_first:
+        samples.sample(pos, 0)
     progress = tqdm(total=plan.max_train_steps, initial=pos.step, desc="steps", smoothing=0, disable=None)
     began, window_loss, last_loss = time.perf_counter(), 0.0, float("nan")
     while pos.epoch < plan.num_epochs and pos.step < plan.max_train_steps:
@@ -75,16 +77,22 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
                 scalars.update({"max_norm/keys_scaled": keys, "max_norm/average_key_norm": mean,
                                 "max_norm/max_key_norm": maximum})
             tracker.log(scalars, pos.step)
+            if samples.every_n_steps and pos.step % samples.every_n_steps == 0:
+                samples.sample(pos, None)
             if saves.every_n_steps and pos.step % saves.every_n_steps == 0:
                 saves.step_save(pos)
             if pos.step >= plan.max_train_steps:
                 break
         tracker.log({"loss/epoch_average": average.end_epoch()}, pos.epoch + 1)
         if pos.batch < len(loader):
+            if samples.every_n_epochs and (pos.epoch + 1) % samples.every_n_epochs == 0:
+                samples.sample(pos, pos.epoch + 1)  # sd-scripts samples after an epoch cut short, too
             break  # --max_train_steps reached inside the epoch: it stays the current one (a resume continues it)
         pos.epoch, pos.batch = pos.epoch + 1, 0
         if saves.every_n_epochs and pos.epoch % saves.every_n_epochs == 0 and pos.epoch < plan.num_epochs:
             saves.epoch_save(pos)
+        if samples.every_n_epochs and pos.epoch % samples.every_n_epochs == 0:
+            samples.sample(pos, pos.epoch)
     progress.close()
     saves.final_save(pos)
     seconds = time.perf_counter() - began
