@@ -141,3 +141,16 @@ def test_no_pipeline_import_without_sampling():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.stdout.strip() == "False"
+
+
+def test_full_bf16_with_half_vae_and_clip_skip(tmp_path):
+    prompts = tmp_path / "p.toml"
+    prompts.write_text('[prompt]\nwidth = 64\nheight = 64\nsample_steps = 2\n[[prompt.subset]]\n'
+                       'prompt = "a red circle"\nnegative_prompt = "blue"\nseed = 4\nsample_sampler = "dpmsolver++"\n',
+                       encoding="utf-8")
+    args = train_args(tmp_path / "out", "--mixed_precision", "bf16", "--full_bf16", "--clip_skip", "2",
+                      "--max_train_steps", "1", "--sample_prompts", str(prompts), "--sample_at_first")
+    assert train_network.main(args) == 0
+    (image,) = (tmp_path / "out" / "sample").iterdir()
+    assert image.name.startswith("lora_e000000_00_") and image.name.endswith("_4.png")
+    assert Image.open(image).size == (64, 64)
