@@ -187,8 +187,6 @@ def test_trains_two_steps(name, trained):
     assert meta["ss_network_module"] == gui_values(name)["network_module"]
 
 
-@pytest.mark.xfail(strict=True, reason="sample images during training (--sample_every_n_steps) are not implemented "
-                                       "yet; the sampling branch makes this pass")
 def test_sample_images_are_written(trained):
     run = trained("standard_sample_images")
     assert run.rc == 0
