@@ -1,7 +1,7 @@
 """``run(cfg)``: the only function that sees the whole config; it wires the stages in order.
 
-validate → sample prompts → the ``--resume`` state (read and checked; its seed) → data (no model needed, so data errors come
-before anything loads) → step plan and start position → trajectory check against the state → output folder
+validate → sample prompts → the ``--resume`` state (read and checked; its seed) → data (no model needed, so data
+errors come before anything loads) → step plan and start position → trajectory check against the state → output folder
 (lock, writability, cleanup after interrupted saves) → models → precision → network → optimizer → LR schedule →
 latent cache → restore the state → loop → final save. Each stage gets only its own config section. Nothing is
 written into the output folder until every check that needs no model has passed; the lock file is removed at
