@@ -3,9 +3,8 @@
 sd-scripts draws its SD 1.x/2.x samples with ``library/lpw_stable_diffusion.py`` (the "long prompt weighting"
 pipeline, itself after AUTOMATIC1111's prompt syntax). This module reproduces its text path:
 
-* **Weights**: ``(text)`` multiplies the attention of ``text`` by 1.1, ``[text]`` by 1/1.1, ``(text:1.5)`` by 1.5;
-  brackets nest and multiply; ``\\(`` ``\\)`` ``\\[`` ``\\]`` ``\\\\`` are the literal characters; an unclosed
-  bracket applies to the rest of the prompt; a ``)``, ``]`` or ``:1.5)`` with nothing open is plain text.
+* **Weights**: the attention syntax ``(text)``, ``[text]``, ``(text:1.5)`` as ``--weighted_captions`` parses it
+  (``library/prompt_weights.py``; lpw's parser and sd-scripts' caption parser read it alike).
 * **Length**: up to 3 chunks of 75 tokens (225 tokens; the rest is cut with a warning), whatever
   ``--max_token_length`` says (the pipeline's ``max_embeddings_multiples=3``). The prompt and the negative prompt
   get the same number of chunks, enough for the longer one. Tokens are padded with EOS. Each chunk is encoded as
@@ -21,8 +20,9 @@ pipeline, itself after AUTOMATIC1111's prompt syntax). This module reproduces it
 from __future__ import annotations
 
 import logging
-import re
 from typing import TYPE_CHECKING
+
+from library.prompt_weights import parse_prompt_attention
 
 if TYPE_CHECKING:
     import torch
@@ -30,57 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ROUND = 1.1
-SQUARE = 1 / 1.1
 CHUNK_TOKENS = 75
 MAX_CHUNKS = 3
-
-# One lexical piece of a prompt: an escape, a bracket, ":<weight>)", a run of ordinary characters, or a lone ":".
-_PIECE = re.compile(r"\\[()\[\]\\]|\\|\(|\[|:([+-]?[.\d]+)\)|\)|]|[^\\()\[\]:]+|:")
-
-
-def parse_attention(text: str) -> list[tuple[str, float]]:
-    """Split ``text`` into (fragment, weight) runs; adjacent runs of equal weight are merged.
-
-    A malformed explicit weight such as ``(cat:1.2.3)`` raises ``ValueError`` (sd-scripts fails on it too, at
-    the first sample).
-    """
-    runs: list[list] = []
-    round_open: list[int] = []
-    square_open: list[int] = []
-
-    def scale_from(start: int, factor: float) -> None:
-        for run in runs[start:]:
-            run[1] *= factor
-
-    for match in _PIECE.finditer(text):
-        piece, weight = match.group(0), match.group(1)
-        if piece.startswith("\\"):
-            runs.append([piece[1:], 1.0])
-        elif piece == "(":
-            round_open.append(len(runs))
-        elif piece == "[":
-            square_open.append(len(runs))
-        elif weight is not None and round_open:
-            scale_from(round_open.pop(), float(weight))
-        elif piece == ")" and round_open:
-            scale_from(round_open.pop(), ROUND)
-        elif piece == "]" and square_open:
-            scale_from(square_open.pop(), SQUARE)
-        else:
-            runs.append([piece, 1.0])
-    for start in round_open:
-        scale_from(start, ROUND)
-    for start in square_open:
-        scale_from(start, SQUARE)
-    merged: list[list] = []
-    for run in runs or [["", 1.0]]:
-        if merged and merged[-1][1] == run[1]:
-            merged[-1][0] += run[0]
-        else:
-            merged.append(list(run))
-    return [(fragment, weight) for fragment, weight in merged]
-
 
 def weighted_tokens(tokenizer: CLIPTokenizer, text: str) -> tuple[list[int], list[float]]:
     """Token ids of ``text`` without BOS/EOS and one weight per token; each weighted fragment is tokenised on its
@@ -88,7 +39,7 @@ def weighted_tokens(tokenizer: CLIPTokenizer, text: str) -> tuple[list[int], lis
     limit = CHUNK_TOKENS * MAX_CHUNKS
     ids: list[int] = []
     weights: list[float] = []
-    for fragment, weight in parse_attention(text):
+    for fragment, weight in parse_prompt_attention(text):
         tokens = tokenizer(fragment).input_ids[1:-1]
         ids += tokens
         weights += [weight] * len(tokens)

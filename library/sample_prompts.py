@@ -37,7 +37,7 @@ from typing import Any
 
 from library.config import SampleConfig
 from library.errors import UserError, did_you_mean
-from library.prompt_weighting import parse_attention
+from library.prompt_weights import parse_prompt_attention
 from library.samplers import SAMPLER_SPECS, missing_package
 
 log = logging.getLogger(__name__)
@@ -170,8 +170,8 @@ def _prompt_from_table(index: int, table: dict[str, Any], where: str, problems: 
     for key in ("prompt", "negative_prompt"):
         if isinstance(values.get(key), str):
             try:
-                parse_attention(values[key])
-            except ValueError:
+                parse_prompt_attention(values[key])
+            except UserError:
                 problems.error(where, f"{label_of(key)} {values[key]!r}: a weight such as (word:1.2) is not a "
                                "number")
     if len(problems.errors) > before:

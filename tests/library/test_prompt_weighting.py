@@ -1,7 +1,7 @@
 """Sample-prompt text conditioning (``library/prompt_weighting.py``).
 
-The attention examples are those documented with sd-scripts' ``lpw_stable_diffusion.parse_prompt_attention`` (after
-AUTOMATIC1111's syntax); token layouts are written out by hand from ``pad_tokens_and_weights`` /
+The attention syntax is parsed by ``library/prompt_weights.py`` (tested in test_prompt_weights.py); token layouts
+are written out by hand from ``pad_tokens_and_weights`` /
 ``get_unweighted_text_embeddings`` (``no_boseos_middle=False``); embeddings are checked against transformers'
 CLIP text model called directly.
 """
@@ -15,35 +15,9 @@ from library.prompt_weighting import (
     chunk_count,
     chunk_ids,
     chunk_weights,
-    parse_attention,
     prompt_embeddings,
     weighted_tokens,
 )
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("normal text", [("normal text", 1.0)]),
-    ("an (important) word", [("an ", 1.0), ("important", 1.1), (" word", 1.0)]),
-    ("(unbalanced", [("unbalanced", 1.1)]),
-    ("\\(literal\\]", [("(literal]", 1.0)]),
-    ("(unnecessary)(parens)", [("unnecessaryparens", 1.1)]),
-    ("a (((house:1.3)) [on] a (hill:0.5), sun, (((sky))).",
-     [("a ", 1.0), ("house", 1.1 * 1.1 * 1.3), (" ", 1.1), ("on", 1.0), (" a ", 1.1), ("hill", 0.55),
-      (", sun, ", 1.1), ("sky", 1.1 ** 4), (".", 1.1)]),
-    ("[less] and [[lesser]]", [("less", 1 / 1.1), (" and ", 1.0), ("lesser", 1 / 1.1 / 1.1)]),
-    ("stray ) and ] and x:1.5) stay", [("stray ) and ] and x:1.5) stay", 1.0)]),
-    ("a: b (c:-0.5)", [("a: b ", 1.0), ("c", -0.5)]),
-    ("", [("", 1.0)]),
-])
-def test_parse_attention(text, expected):
-    got = parse_attention(text)
-    assert [fragment for fragment, _ in got] == [fragment for fragment, _ in expected]
-    assert [weight for _, weight in got] == pytest.approx([weight for _, weight in expected])
-
-
-def test_malformed_weight_raises():
-    with pytest.raises(ValueError):
-        parse_attention("a (cat:1.2.3)")
 
 
 @pytest.mark.parametrize("lengths, chunks", [((0,), 1), ((75,), 1), ((76,), 2), ((10, 150), 2), ((151, 3), 3),

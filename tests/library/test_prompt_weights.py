@@ -66,6 +66,8 @@ def test_upstream_doctest_examples(text, expected):
     (r"\\(a)", [("\\", 1.0), ("a", UP)]),
     ("([a", [("a", UP * DOWN)]),  # unclosed: round brackets first, then square ones
     ("(a:2)(b:2)", [("ab", 2.0)]),
+    ("stray ) and ] and x:1.5) stay", [("stray ) and ] and x:1.5) stay", 1.0)]),  # lpw's documented examples
+    ("a: b (c:-0.5)", [("a: b ", 1.0), ("c", -0.5)]),
 ])
 def test_edge_cases(text, expected):
     assert parse_prompt_attention(text) == expected
