@@ -9,7 +9,6 @@ Exit codes: 0 done, 2 bad input (nothing written), 3 training diverged (last goo
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 
@@ -25,11 +24,13 @@ def _interrupt_on_sigterm() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from library.cli import parse_args, write_config_file
+    from library.console_log import setup_logging
     from library.errors import TrainingDiverged, UserError
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    setup_logging()
     try:
         cfg, explicit = parse_args(sys.argv[1:] if argv is None else argv)
+        setup_logging(cfg.log)
         if cfg.run.output_config:
             if not cfg.run.config_file:
                 raise UserError("--output_config writes the given arguments to the --config_file path; "
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    if result is None:  # --debug_dataset
+        return 0
     loop = result.loop
     print(f"saved {result.lora_path}: {loop.position.step} steps, {loop.position.epoch} epochs, "
           f"final loss {loop.last_loss:.4f}, {loop.seconds:.1f} s ({loop.seconds_per_step:.3f} s/step)")

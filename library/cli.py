@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from library.config import SECTION_CLASSES, TrainConfig, all_fields, field_default, from_namespace
+from library.config import SECRET_FIELDS, SECTION_CLASSES, TrainConfig, all_fields, field_default, from_namespace
 from library.config.gui import GUI_ONLY_KEYS, GUI_REFUSED_WHEN_SET, other_family
 from library.errors import UserError, did_you_mean
 
@@ -218,7 +218,7 @@ def _apply_legacy_optimizer(values: dict[str, Any]) -> None:
 
 
 # Never written by --output_config (sd-scripts leaves these out too): secrets and the config switches themselves.
-_NOT_WRITTEN = {"config_file", "output_config", "wandb_api_key"}
+_NOT_WRITTEN = {"config_file", "output_config", *SECRET_FIELDS}
 
 
 def write_config_file(path: str, explicit: dict[str, Any]) -> Path:

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,8 +22,9 @@ import torch
 from library import model_setup, network_setup, optimizer_setup
 from library.accumulation import build_accumulation
 from library.checkpoint import OutputNames, Saver, make_save_hooks, save_dtype
-from library.config import TrainConfig, validate
+from library.config import TrainConfig, public_snapshot, validate
 from library.data import build_train_data
+from library.data.debug import show_batches
 from library.metadata import optimizer_description, thumbnail_data_url, training_metadata
 from library.noise import apply_zero_terminal_snr
 from library.output import open_output
@@ -57,8 +58,9 @@ def _stream_seed(seed: int, stream: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{stream}".encode()).digest()[:8], "little") >> 1
 
 
-def run(cfg: TrainConfig) -> RunResult:
-    """Train a LoRA as described by ``cfg``; returns the final file and the loop's figures."""
+def run(cfg: TrainConfig) -> RunResult | None:
+    """Train a LoRA as described by ``cfg``; returns the final file and the loop's figures (None when
+    ``--debug_dataset`` only showed the batches)."""
     validate(cfg)
     sample_plan = plan_samples(cfg.sample)
     choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
@@ -71,12 +73,15 @@ def run(cfg: TrainConfig) -> RunResult:
     elif seed is None:
         seed = random.randint(0, 2**31 - 1)
     data = build_train_data(cfg.data, seed=seed, max_token_length=cfg.model.max_token_length,
-                            masked_loss=cfg.loss.masked_loss)
+                            masked_loss=cfg.loss.masked_loss, v2=cfg.model.v2)
     plan = plan_steps(len(data), batch_size=cfg.data.train_batch_size,
                       gradient_accumulation_steps=cfg.schedule.gradient_accumulation_steps,
                       max_train_steps=cfg.schedule.max_train_steps, max_train_epochs=cfg.schedule.max_train_epochs)
     for line in data.summary() + describe(plan, data.num_train_images, data.num_reg_images):
         log.info(line)
+    if cfg.data.debug_dataset:
+        show_batches(data, plan.max_train_steps)
+        return None
     lr_schedule = optimizer_setup.plan_schedule(cfg.schedule, choice, plan, cfg.optimizer.learning_rate)
     cfg = replace(cfg, schedule=replace(cfg.schedule, lr_scheduler=lr_schedule.name))  # as ss_lr_scheduler records it
     start = start_position(cfg.schedule, plan, saved_position(saved, plan) if saved else None)
@@ -115,7 +120,7 @@ def run(cfg: TrainConfig) -> RunResult:
         noise_generator = torch.Generator().manual_seed(seed)
         loss_scale = DynamicLossScale() if policy.loss_scaling else None
         state = TrainingState(network, optimizer, scheduler, noise_generator, accumulation, loss_scale, seed, route,
-                              asdict(cfg))
+                              public_snapshot(cfg))
         if cfg.save.save_state or cfg.save.save_state_on_train_end:
             state.check_storable()
         if saved is not None:
@@ -128,9 +133,9 @@ def run(cfg: TrainConfig) -> RunResult:
             optimizer_name=optimizer_description(optimizer, choice.options),
             stochastic_rounding=optimizer_setup.rounds_stochastically(choice, policy),
             num_train_images=data.num_train_images, num_reg_images=data.num_reg_images,
-            resolution=cfg.data.resolution or data.datasets[0].spec.resolution, started=started)
+            resolution=cfg.data.resolution or data.resolution, started=started)
         saver = Saver(Path(cfg.save.output_dir), cfg.save.save_model_as, save_dtype(cfg.save))
-        tracker = Tracker(cfg.log, asdict(cfg))
+        tracker = Tracker(cfg.log, public_snapshot(cfg))
         params = [p for g in groups for p in g["params"]]
         updater = Updater(params, optimizer, scheduler, accumulation, plan.gradient_accumulation_steps,
                           cfg.optimizer.max_grad_norm, cfg.precision.max_nan_steps, loss_scale=loss_scale,

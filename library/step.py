@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from library.config import LossConfig, NoiseConfig
+from library.errors import UserError
 from library.loss import training_loss
 from library.model_parts import SDModel
 from library.noise import loss_weight_snr, noisy_latents, sample_noise, sample_timesteps, training_target
@@ -62,6 +63,10 @@ class BatchLoss:
             ids, weights = tokenize_with_weights(self.model.tokenizer, captions, self.max_token_length)
         else:
             ids, weights = tokenize(self.model.tokenizer, captions, self.max_token_length), None
+        return self.encode_ids(ids, weights)
+
+    def encode_ids(self, ids: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Text-encoder states of token ids [B, 77·n] (``tokenize``'s form), scaled per token by ``weights``."""
         with torch.set_grad_enabled(self.train_text_encoder), self.policy.autocast(self.device):
             states = encode_text(self.model.text_encoder, ids.to(self.device), clip_skip=self.clip_skip,
                                  max_token_length=self.max_token_length, v2=self.model.v2)
@@ -69,11 +74,21 @@ class BatchLoss:
                 return states
             return apply_token_weights(states, weights, self.max_token_length)
 
+    def text_states(self, batch: dict) -> torch.Tensor:
+        """The batch's conditioning. Token ids come only from a ``--dataset_class`` that yields them; as in
+        sd-scripts they win over captions, except with ``--weighted_captions``, which needs the captions' text."""
+        if "input_ids" in batch and not self.weighted_captions:
+            return self.encode_ids(batch["input_ids"])
+        if "captions" not in batch:
+            raise UserError("--weighted_captions parses caption text, but the --dataset_class batches hold only "
+                            'token ids; add "captions" to the batches or drop --weighted_captions')
+        return self.conditioning(batch["captions"])
+
     def __call__(self, batch: dict) -> torch.Tensor:
         if "network_multipliers" in batch:  # a batch never mixes datasets, so one multiplier serves it
             self.network.set_multiplier(float(batch["network_multipliers"][0]))
         latents = self.latents(batch)
-        hidden = self.conditioning(batch["captions"])
+        hidden = self.text_states(batch)
         scheduler = self.model.noise_scheduler
         noise = sample_noise(latents, self.noise, self.generator)
         timesteps = sample_timesteps(latents.shape[0], self.noise, self.generator, self.device)

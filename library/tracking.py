@@ -4,18 +4,23 @@ Tags (SD_SCRIPTS_BEHAVIOR.md §6): ``loss/current``, ``loss/average`` (moving av
 epoch's worth of steps), ``loss/epoch_average``, ``lr/textencoder`` and ``lr/unet`` (or ``lr/group<i>``),
 ``lr/d*lr/<group>`` for learning-rate-free optimizers, ``grad_norm``, ``max_norm/*``; sample images as
 ``sample_<index>`` (sd-scripts logs them to wandb only, with the prompt as caption; here TensorBoard gets them too).
+
+The wandb key (``--wandb_api_key``) is used for ``wandb.login`` only: it is never part of the tracker config, the
+LoRA metadata, the state folder or ``--output_config`` (``library/config/sections.py``: ``public_snapshot``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from library.config import LogConfig
+from library.config import SECRET_FIELDS, LogConfig
+from library.config.log import read_tracker_config
 from library.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -44,19 +49,49 @@ class LossAverage:
         return mean
 
 
+# Never sent to a tracker (sd-scripts' get_sanitized_config_or_none): the secrets, and local paths that a public
+# wandb project would expose.
+PATH_FIELDS = ("pretrained_model_name_or_path", "vae", "tokenizer_cache_dir", "train_data_dir",
+               "conditioning_data_dir", "reg_data_dir", "output_dir", "logging_dir")
+
+
+def tracker_config(run_config: dict[str, dict[str, Any]]) -> dict[str, bool | str | int | float | None]:
+    """The configuration sent with ``--log_config``: every flag by its name (sections flattened, as sd-scripts' flat
+    namespace), without secrets and paths; values that are not bool/str/int/float/None become their ``str``."""
+    flat = {name: value for section in run_config.values() for name, value in section.items()}
+    return {name: value if value is None or isinstance(value, (bool, str, int, float)) else str(value)
+            for name, value in flat.items() if name not in SECRET_FIELDS + PATH_FIELDS}
+
+
+def _config_text(config: dict[str, Any]) -> str:
+    """The configuration as a Markdown code block (TensorBoard's text plugin renders Markdown)."""
+    return "\n".join(f"    {name} = {value!r}" for name, value in sorted(config.items()))
+
+
 class Tracker:
-    """Writes scalars to the chosen trackers; a no-op when no ``--logging_dir`` / ``--log_with`` is given."""
+    """Writes scalars to the chosen trackers; a no-op when no ``--logging_dir`` / ``--log_with`` is given.
+
+    As sd-scripts' ``init_trackers``: the project is ``--log_tracker_name`` (default "network_train"), the
+    ``--log_tracker_config`` tables are the trackers' init options, and the configuration goes to the trackers only
+    with ``--log_config`` (wandb: the run config; TensorBoard: hparams plus a "config" text entry).
+    """
 
     def __init__(self, cfg: LogConfig, run_config: dict | None = None) -> None:
         self._writers = []
         wanted = cfg.log_with or ("tensorboard" if cfg.logging_dir else None)
+        init_kwargs = read_tracker_config(cfg.log_tracker_config) if cfg.log_tracker_config else {}
+        config = tracker_config(run_config) if cfg.log_config and run_config is not None else None
         if wanted in ("tensorboard", "all"):
             if not cfg.logging_dir:
                 raise UserError("--log_with tensorboard needs --logging_dir (the folder for the event files)")
             from torch.utils.tensorboard import SummaryWriter
 
             folder = Path(cfg.logging_dir) / ((cfg.log_prefix or "") + time.strftime("%Y%m%d%H%M%S"))
-            self._writers.append(("tensorboard", SummaryWriter(str(folder))))
+            writer = SummaryWriter(str(folder), **init_kwargs.get("tensorboard", {}))
+            if config is not None:
+                writer.add_text("config", _config_text(config), 0)
+                writer.add_hparams(config, {}, run_name=".")
+            self._writers.append(("tensorboard", writer))
             log.info("TensorBoard logs: %s", folder)
         if wanted in ("wandb", "all"):
             if importlib.util.find_spec("wandb") is None:
@@ -64,9 +99,16 @@ class Tracker:
                                 "or use --log_with tensorboard")
             import wandb
 
-            run = wandb.init(project=cfg.log_tracker_name or "network_train", name=cfg.wandb_run_name,
-                             config=run_config)
-            self._writers.append(("wandb", run))
+            if cfg.wandb_api_key is not None:
+                wandb.login(key=cfg.wandb_api_key)
+            if cfg.logging_dir:
+                Path(cfg.logging_dir).mkdir(parents=True, exist_ok=True)
+                os.environ["WANDB_DIR"] = cfg.logging_dir
+            options: dict[str, Any] = {"project": cfg.log_tracker_name or "network_train", "config": config}
+            if cfg.wandb_run_name:
+                options["name"] = cfg.wandb_run_name
+            options.update(init_kwargs.get("wandb", {}))
+            self._writers.append(("wandb", wandb.init(**options)))
 
     def log(self, values: dict[str, float], step: int) -> None:
         for kind, writer in self._writers:

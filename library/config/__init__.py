@@ -23,14 +23,23 @@ from library.config.run import RunConfig
 from library.config.sample import SampleConfig
 from library.config.save import SaveConfig
 from library.config.schedule import ScheduleConfig
-from library.config.sections import SECTION_CLASSES, TrainConfig, all_fields, field_default, from_namespace
+from library.config.sections import (
+    SECRET_FIELDS,
+    SECTION_CLASSES,
+    TrainConfig,
+    all_fields,
+    field_default,
+    from_namespace,
+    public_snapshot,
+)
 from library.config.unavailable import UnavailableConfig
 from library.config.validate import validate
 from library.config.validation import ValidationConfig
 
 __all__ = [
-    "SECTION_CLASSES", "DataConfig", "DistributedConfig", "LogConfig", "LossConfig", "ModelConfig", "NetworkConfig",
+    "SECRET_FIELDS", "SECTION_CLASSES", "DataConfig", "DistributedConfig", "LogConfig", "LossConfig", "ModelConfig",
+    "NetworkConfig",
     "NoiseConfig", "OptimizerConfig", "PrecisionConfig", "RunConfig", "SampleConfig", "SaveConfig",
     "ScheduleConfig", "TrainConfig", "UnavailableConfig", "ValidationConfig", "all_fields", "field_default", "flag",
-    "from_namespace", "parse_float_pair", "parse_resolution", "parse_steps_or_ratio", "validate",
+    "from_namespace", "parse_float_pair", "parse_resolution", "parse_steps_or_ratio", "public_snapshot", "validate",
 ]

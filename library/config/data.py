@@ -56,9 +56,14 @@ class DataConfig:
     cache_latents: bool = flag(False, "encode every image with the VAE once and keep the latents in RAM")
     cache_latents_to_disk: bool = flag(False, "cache latents in <image>_<W>x<H>_sd.npz (implies --cache_latents)")
     vae_batch_size: int = flag(1, "VAE batch size when caching latents")
-    skip_cache_check: bool = flag(False, "trust existing latent cache files without opening them (their names must "
-                                  "still match)")
-    cache_info: bool = flag(False, "cache captions and image sizes of each image folder in metadata_cache.json")
+    skip_cache_check: bool = flag(
+        False, "trust existing latent cache files (--cache_latents_to_disk) without opening them, as sd-scripts; "
+        "missing ones are still made. Their content key (image hash, bucket, VAE) is not checked either, so an "
+        "edited image or another VAE reuses the old latents")
+    cache_info: bool = flag(
+        False, "keep each DreamBooth folder's captions and image sizes in its metadata_cache.json (sd-scripts' file) "
+        "and read that instead of every image next time (rebuilt when the folder's images change; delete it after "
+        "editing captions)")
     alpha_mask: bool = flag(False, "weight the loss by each image's alpha channel (transparent pixels do not train; "
                             "applies with or without --masked_loss, as in sd-scripts)")
     conditioning_data_dir: str | None = flag(
@@ -66,6 +71,12 @@ class DataConfig:
         "alike, each mask named as its image (white trains, black is ignored)")
     validation_split: float = flag(0.0, "fraction of the training images held out for the validation loss")
     validation_seed: int | None = flag(None, "seed of the validation split (default: --seed)")
-    dataset_class: str | None = flag(None, "a custom dataset class package.module.Class")
-    debug_dataset: bool = flag(False, "print what the dataset yields (captions, buckets, image sizes) and exit "
-                               "without training")
+    dataset_class: str | None = flag(
+        None, "batches from your own class package.module.Class, built as Class(tokenizer, max_token_length, "
+        "resolution, debug_dataset); len() = batches per epoch, [i] = a dict with images [B,3,H,W] in [-1,1] or "
+        "latents [B,4,h,w], captions (B strings) or input_ids, optional loss_weights [B] (library/data/custom.py, "
+        "README)")
+    debug_dataset: bool = flag(
+        False, "print each batch of the first epoch (files, sizes, buckets, captions after the transforms, flips, "
+        "loss weights) and exit without loading the model or training; --pretrained_model_name_or_path and "
+        "--output_dir are not needed")

@@ -67,6 +67,21 @@ def field_default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
+# Values that are credentials: never written to a file (--output_config, the state folder's train_state.json) nor sent
+# to a tracker, as sd-scripts leaves wandb_api_key out of --output_config and its tracker config.
+SECRET_FIELDS = ("wandb_api_key", "huggingface_token")
+
+
+def public_snapshot(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
+    """``asdict(cfg)`` by section, with every secret (``SECRET_FIELDS``) replaced by None: safe to write or log."""
+    snapshot = dataclasses.asdict(cfg)
+    for section in snapshot.values():
+        for name in SECRET_FIELDS:
+            if name in section:
+                section[name] = None
+    return snapshot
+
+
 def from_namespace(values: dict[str, Any]) -> TrainConfig:
     """Build the typed config from parsed flag values (a dict keyed by flag name)."""
     sections = {

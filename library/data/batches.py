@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from library.data import latent_cache
 from library.data.captions import CaptionState, process_caption
-from library.data.images import BrokenImage, load_image, load_image_with_alpha, load_mask_image
+from library.data.images import BrokenImage, check_scanned_size, load_image, load_image_with_alpha, load_mask_image
 from library.data.prepare import ImageItem, PreparedDataset
 from library.data.transforms import (
     Placement,
@@ -122,12 +122,13 @@ class BatchSource(Dataset):
         ds = self.datasets[ref.dataset]
         indices = members[ref.dataset][ref.bucket][ref.start:ref.start + ds.spec.batch_size]
         state = CaptionState(key.epoch, key.step, key.max_train_steps)
-        pixels, latents, captions, masks = [], [], [], []
+        pixels, latents, captions, masks, flips = [], [], [], [], []
         for slot, index in enumerate(indices):
             rng = random.Random(f"{self.seed}:{key.epoch}:{key.position}:{slot}")
             item = ds.items[index]
             sub = ds.subsets[item.subset_index].spec
             flipped = sub.flip_aug and rng.random() < 0.5
+            flips.append(flipped)
             if self.latents:
                 cached, mask = self._cached(ref.dataset, index, flipped, sub.alpha_mask)
                 if item.mask_path is not None:
@@ -143,6 +144,7 @@ class BatchSource(Dataset):
             "loss_weights": torch.tensor([self.prior_loss_weight if ds.items[i].is_reg else 1.0 for i in indices]),
             "network_multipliers": torch.full((len(indices),), float(ds.spec.network_multiplier)),
             "image_paths": [ds.items[i].path for i in indices],
+            "flipped": flips,
         }
         if latents:
             batch["latents"] = torch.stack(latents)
@@ -162,6 +164,7 @@ class BatchSource(Dataset):
             img, mask = _decoded(item.path, load_image_with_alpha)
         else:
             img, mask = _decoded(item.path, load_image), None
+        check_scanned_size(item.path, img, item.size)
         if item.mask_path is not None:
             mask = _decoded(item.mask_path, load_mask_image)
         face = face_box(item.path) if sub.face_crop_aug_range is not None and not ds.spec.enable_bucket else None
@@ -194,11 +197,8 @@ class BatchSource(Dataset):
             if alpha_mask:
                 mask = self.latents.masks[key]
         else:
-            with np.load(self.latents.disk[key], allow_pickle=False) as npz:
-                latents = torch.from_numpy(np.array(npz["latents_flipped" if flipped else "latents"],
-                                                    dtype=np.float32))
-                if alpha_mask:
-                    mask = torch.from_numpy(np.array(npz["alpha_mask"], dtype=np.float32))
+            bucket = self.datasets[dataset].items[index].choice.bucket
+            latents, mask = latent_cache.read(self.latents.disk[key], bucket, flipped, alpha_mask)
         if mask is not None and flipped:
             mask = mask.flip(1)
         return latents, mask

@@ -14,7 +14,7 @@ from library.config import DataConfig
 from library.data import latent_cache
 from library.data.batches import BatchSource, EpochSampler, LatentStore
 from library.data.buckets import crop_ltrb
-from library.data.images import load_image, load_image_with_alpha
+from library.data.images import check_scanned_size, load_image, load_image_with_alpha
 from library.data.metadata import dataset_metadata
 from library.data.prepare import PreparedDataset, prepare_datasets
 from library.data.transforms import bucket_placement, mask_tensor, place, to_tensor
@@ -48,6 +48,11 @@ class TrainData:
         self.progress = _Progress()
         self.latents = LatentStore({}, {})
         self.source = BatchSource(datasets, seed, group.prior_loss_weight, self.latents)
+
+    @property
+    def resolution(self) -> tuple[int, int]:
+        """The (first) dataset's training resolution (W, H), for the ModelSpec entry."""
+        return self.datasets[0].spec.resolution
 
     @property
     def num_train_images(self) -> int:
@@ -111,6 +116,16 @@ class TrainData:
         lines.append(f"total: {self.num_train_images} training images with repeats, {len(self)} batches per epoch")
         return lines
 
+    def image_details(self) -> dict[str, str]:
+        """``--debug_dataset``: each image's size, resize and bucket, by path."""
+        details: dict[str, str] = {}
+        for ds in self.datasets:
+            for item in ds.items:
+                (w, h), (rw, rh), (bw, bh) = item.size, item.choice.resized, item.choice.bucket
+                details.setdefault(item.path, f"size {w}x{h}, resized {rw}x{rh}, cropped to bucket {bw}x{bh}"
+                                              + (", regularisation image" if item.is_reg else ""))
+        return details
+
     def metadata(self) -> dict[str, str]:
         """sd-scripts' dataset ``ss_*`` metadata keys, stringified."""
         return dataset_metadata(self.datasets, self.data, self.group.from_file)
@@ -121,8 +136,9 @@ class TrainData:
         with the alpha mask of subsets with ``alpha_mask``.
 
         ``encode`` maps images [B, 3, H, W] in [-1, 1] to unscaled latents [B, 4, H/8, W/8]. Disk caches that are
-        still valid (see ``latent_cache``) are reused without encoding. Images are encoded in groups of one bucket,
-        flip_aug and alpha_mask setting, as sd-scripts groups them.
+        still valid (see ``latent_cache``) are reused without encoding; with ``--skip_cache_check`` every existing
+        cache file is reused unopened and unhashed (sd-scripts' ``skip_disk_cache_validity_check``). Images are
+        encoded in groups of one bucket, flip_aug and alpha_mask setting, as sd-scripts groups them.
         """
         blocked = sorted({info.spec.location for ds in self.datasets for info in ds.subsets
                           if info.spec.color_aug or info.spec.random_crop})
@@ -138,6 +154,10 @@ class TrainData:
                 key = ""
                 if to_disk:
                     path = latent_cache.npz_path(item.path, item.size)
+                    if self.data.skip_cache_check and latent_cache.exists(path):
+                        self.latents.disk[(d, i)] = str(path)
+                        reused += 1
+                        continue
                     key = latent_cache.cache_key(latent_cache.file_sha1(item.path), item.choice.bucket,
                                                  item.choice.resized, vae_id)
                     if latent_cache.is_valid(path, item.choice.bucket, sub.flip_aug, key, sub.alpha_mask):
@@ -164,6 +184,7 @@ class TrainData:
             else:
                 img = load_image(item.path)
                 masks.append(None)
+            check_scanned_size(item.path, img, item.size)
             images.append(to_tensor(place(img, placement, interpolation)))
         pixels = torch.stack(images)
         with torch.no_grad():
@@ -188,15 +209,20 @@ def _mask_note(sub: SubsetSpec) -> str:
     return ", loss mask: alpha channel" if sub.alpha_mask else ""
 
 
-def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | None = None,
-                     masked_loss: bool = False) -> TrainData:
+def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | None = None, masked_loss: bool = False,
+                     v2: bool = False):
     """Scan and validate the datasets of a run (all problems in one UserError); no model needed.
 
-    ``max_token_length`` is accepted for the trainer's call shape; captions are returned as text and the trainer
-    tokenizes them, so it does not change the data. ``masked_loss`` (the loss section's ``--masked_loss``) admits
-    mask images (``conditioning_data_dir``) and requires some mask source.
+    ``masked_loss`` (the loss section's ``--masked_loss``) admits mask images (``conditioning_data_dir``) and
+    requires some mask source. Returns ``TrainData``, or with ``--dataset_class`` the adapter of the user's class
+    (``library/data/custom.py``), which is constructed with ``max_token_length`` and the tokenizer of the model
+    family (``v2``). The trainer's own datasets return captions as text, tokenized by the trainer, so these two do
+    not change them.
     """
-    del max_token_length
+    if data.dataset_class:
+        from library.data.custom import build_custom_data
+
+        return build_custom_data(data, seed=seed, max_token_length=max_token_length, v2=v2, masked_loss=masked_loss)
     group = load_dataset_specs(data, masked_loss)
     datasets = prepare_datasets(list(group.datasets), data.skip_broken_images)
     return TrainData(group, datasets, data, seed)

@@ -14,7 +14,10 @@ from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from library.errors import UserError
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+INFO_CACHE_FILE = "metadata_cache.json"  # library/data/info_cache.py
 
 # EXIF orientations 5..8 rotate by 90 degrees, so width and height swap.
 _SWAPPING_ORIENTATIONS = (5, 6, 7, 8)
@@ -65,7 +68,13 @@ def read_caption(image_path: Path, extension: str, enable_wildcard: bool) -> str
 
 
 def image_size(path: Path) -> tuple[int, int]:
-    """Upright (EXIF-oriented) width and height; decodes the file enough to catch corrupt data.
+    """Upright (EXIF-oriented) width and height; decodes the file enough to catch corrupt data (``stored_size``)."""
+    (width, height), swaps = stored_size(path)
+    return (height, width) if swaps else (width, height)
+
+
+def stored_size(path: Path) -> tuple[tuple[int, int], bool]:
+    """The width and height stored in the file (what sd-scripts reads) and whether the EXIF orientation swaps them.
 
     PNG chunks are checksummed with ``verify``; JPEG is decoded at 1/8 scale (``draft``), other formats fully.
     """
@@ -83,9 +92,16 @@ def image_size(path: Path) -> tuple[int, int]:
                 img.load()
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
         raise BrokenImage(f"{path}: cannot decode image ({e})") from None
-    if orientation in _SWAPPING_ORIENTATIONS:
-        return height, width
-    return width, height
+    return (width, height), orientation in _SWAPPING_ORIENTATIONS
+
+
+def check_scanned_size(path: str | Path, img: Image.Image, size: tuple[int, int]) -> None:
+    """A loaded image must still have the (upright W, H) size the dataset scan recorded; else a UserError naming
+    it (it was edited since, or the folder's metadata_cache.json is stale)."""
+    if img.size != tuple(size):
+        raise UserError(f"{path}: the image is {img.size[0]}x{img.size[1]} but the dataset scan recorded "
+                        f"{size[0]}x{size[1]}: it was changed since, or the folder's {INFO_CACHE_FILE} (cache_info) "
+                        "is stale; delete that file, or restart the run")
 
 
 def _open_upright(path: str | Path, mode: str) -> Image.Image:

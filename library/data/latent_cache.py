@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from library.errors import UserError
 from library.files import write_file_atomic
 
 CACHE_KEY = "sdsb_cache_key"
@@ -50,6 +51,13 @@ def cache_key(sha1: str, bucket: tuple[int, int], resized: tuple[int, int], vae_
                       sort_keys=True)
 
 
+def exists(path: Path) -> bool:
+    """``--skip_cache_check``: sd-scripts still checks that the file exists, and trusts it unopened when it does. The
+    content key is not checked either, so an edited image or another VAE reuses the old latents; a file of the wrong
+    latent shape or without ``latents_flipped`` / ``alpha_mask`` is reported when a batch reads it."""
+    return path.is_file()
+
+
 def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str, alpha_mask: bool = False) -> bool:
     """True when ``path`` holds latents for ``bucket`` (and flipped ones with ``flip_aug``, the bucket-sized alpha
     mask with ``alpha_mask``) made under ``key``."""
@@ -69,6 +77,29 @@ def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str, alph
             return True
     except (OSError, ValueError, zipfile.BadZipFile, EOFError):
         return False
+
+
+def read(path: str | Path, bucket: tuple[int, int], flipped: bool,
+         alpha_mask: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The cached latents (or their mirror image) of one image for ``bucket`` and, with ``alpha_mask``, its
+    (unflipped) mask; a file that cannot serve them, which only ``--skip_cache_check`` lets through, is a UserError
+    naming it."""
+    name = "latents_flipped" if flipped else "latents"
+    expected = (LATENT_CHANNELS, bucket[1] // LATENT_STRIDE, bucket[0] // LATENT_STRIDE)
+    fix = "delete it or run without --skip_cache_check, so that it is rebuilt"
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            for needed in (name, "alpha_mask") if alpha_mask else (name,):
+                if needed not in npz.files:
+                    raise UserError(f"{path}: latent cache file has no {needed}; {fix}")
+            latents = np.array(npz[name], dtype=np.float32)
+            mask = np.array(npz["alpha_mask"], dtype=np.float32) if alpha_mask else None
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise UserError(f"{path}: latent cache file cannot be read ({exc}); {fix}") from None
+    if tuple(latents.shape) != expected or (mask is not None and mask.shape != (bucket[1], bucket[0])):
+        raise UserError(f"{path}: latent cache file holds latents of shape {list(latents.shape)}, but the image's "
+                        f"bucket {bucket[0]}x{bucket[1]} needs {list(expected)}; {fix}")
+    return torch.from_numpy(latents), None if mask is None else torch.from_numpy(mask)
 
 
 def write(path: Path, latents: torch.Tensor, original_size: tuple[int, int],

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from library.data import info_cache
 from library.data.buckets import (
     BucketChoice,
     make_bucket_resolutions,
@@ -26,6 +27,7 @@ from library.data.images import (
     image_size,
     list_images,
     read_caption,
+    stored_size,
 )
 from library.data.masks import match_mask_images
 from library.data.metadata_file import read_metadata_subset
@@ -97,23 +99,43 @@ def _listing(paths: list[str]) -> str:
 
 
 def _scan_dreambooth(sub: SubsetSpec, report: ScanReport) -> list[tuple[str, str, tuple[int, int]]]:
-    """(path, caption, size) of each readable image in a DreamBooth folder; captions fall back to class tokens."""
+    """(path, caption, size) of each readable image in a DreamBooth folder; captions fall back to class tokens.
+
+    With ``cache_info`` the folder's ``metadata_cache.json`` (``info_cache``) replaces opening every image and
+    caption file when it still lists the folder's images, and is written after a clean scan otherwise."""
+    images = list_images(sub.image_dir)
+    if sub.cache_info:
+        cached = info_cache.read(sub.image_dir, images)
+        if cached is not None:
+            found = []
+            for path, info in cached.items():
+                caption = info.caption
+                if not caption:
+                    report.missing_captions.append(str(path))
+                    caption = sub.class_tokens or ""
+                found.append((str(path), caption, info.upright_size))
+            return found
     found = []
-    for path in list_images(sub.image_dir):
+    infos = {}
+    problems = len(report.errors) + len(report.broken)
+    for path in images:
         try:
             caption = read_caption(path, sub.caption_extension, sub.enable_wildcard)
         except CaptionProblem as e:
             report.errors.append(str(e))
             continue
         try:
-            size = image_size(path)
+            stored, swaps = stored_size(path)
         except BrokenImage as e:
             report.broken.append(str(e))
             continue
         if caption is None:
             report.missing_captions.append(str(path))
             caption = sub.class_tokens or ""
-        found.append((str(path), caption, size))
+        infos[path] = info_cache.ImageInfo(caption, stored, swaps)
+        found.append((str(path), caption, infos[path].upright_size))
+    if sub.cache_info and len(report.errors) + len(report.broken) == problems:
+        info_cache.write(sub.image_dir, infos)
     return found
 
 
@@ -121,6 +143,9 @@ def _scan_subset(sub: SubsetSpec, report: ScanReport) -> tuple[list[tuple[str, s
     """Images of one subset, the name its tags are counted under (folder or metadata file name) and the texts
     counted: the captions of a folder, the ``tags`` of a metadata file (as sd-scripts)."""
     if sub.metadata_file is not None:
+        if sub.cache_info:
+            logger.warning("%s: cache_info applies to DreamBooth image folders only (as in sd-scripts); the sizes of "
+                           "a metadata file's images are read each run", sub.location)
         found = []
         tag_texts = []
         for path, caption, tags in read_metadata_subset(sub, report.errors):
