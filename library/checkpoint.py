@@ -33,6 +33,7 @@ import torch
 
 from library.config import SaveConfig
 from library.files import remove_folder
+from library.fs_checks import ensure_free_space, ensure_room_for_save, nested_tensor_bytes
 from library.metadata import Metadata
 from library.position import Position, SaveHooks
 from library.state_file import write_state
@@ -103,11 +104,13 @@ class Saver:
 
     def save_lora(self, network, stem: str, metadata: dict[str, str]) -> Path:
         path = self.lora_path(stem)
+        ensure_room_for_save(self.output_dir, network, self.dtype, False, path.name)
         network.save_weights(str(path), self.dtype, metadata if self.ext == "safetensors" else None)
         return path
 
     def save_state(self, stem: str, state: tuple[dict[str, Any], dict[str, Any]]) -> None:
         objects, train_state = state
+        ensure_free_space(self.output_dir, nested_tensor_bytes(objects), f"{stem}-state")
         write_state(self.output_dir / f"{stem}-state", objects, train_state)
 
     def remove_lora(self, stem: str) -> None:

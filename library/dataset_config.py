@@ -306,7 +306,7 @@ def _check_values(spec: DatasetSpec, problems: list[str]) -> None:
             value = getattr(sub, name)
             if not 0.0 <= value <= 1.0:
                 problems.append(f"{where}: {name} must be between 0 and 1, got {value}")
-        for name in ("keep_tokens", "caption_dropout_every_n_epochs", "token_warmup_step"):
+        for name in ("keep_tokens", "caption_dropout_every_n_epochs", "token_warmup_min", "token_warmup_step"):
             if getattr(sub, name) < 0:
                 problems.append(f"{where}: {name} must not be negative, got {getattr(sub, name)}")
         if sub.face_crop_aug_range is not None and not 0 < sub.face_crop_aug_range[0] <= sub.face_crop_aug_range[1]:
@@ -341,6 +341,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}: not valid TOML: {e}") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start}); "
+                        "save the file as UTF-8 (TOML and JSON files must be UTF-8)") from None
     raise UserError(f'--dataset_config "{path}": expected a .toml or .json file')
 
 
@@ -466,6 +469,7 @@ def _folder_subsets(parent: str, is_reg: bool, problems: list[str]) -> list[dict
         return []
     subsets = []
     skipped = []
+    no_repeats = []
     for sub in sorted(p for p in root.iterdir() if p.is_dir()):
         parsed = parse_repeats_folder(sub.name)
         if parsed is None:
@@ -475,11 +479,17 @@ def _folder_subsets(parent: str, is_reg: bool, problems: list[str]) -> list[dict
             continue
         repeats, tokens = parsed
         if repeats < 1:
+            no_repeats.append(sub.name)
             logger.warning('%s: ignoring folder "%s": repeat count %d is below 1', flag_name, sub.name, repeats)
             continue
         subsets.append({"image_dir": str(sub), "num_repeats": repeats, "is_reg": is_reg, "class_tokens": tokens,
                         "location": f'{flag_name} "{sub}"'})
-    if not subsets and not is_reg:
+    if not subsets and not is_reg and no_repeats:
+        names = ", ".join(f'"{name}"' for name in no_repeats[:5])
+        problems.append(f'{flag_name} "{parent}": no images to train: {names} has a repeat count below 1, so it is '
+                        f'skipped (0 repeats means "use these images 0 times per epoch"); rename it with 1 or more '
+                        f'repeats, e.g. "1_{parse_repeats_folder(no_repeats[0])[1]}"')
+    elif not subsets and not is_reg:
         found = f" (found only: {', '.join(skipped[:5])})" if skipped else ""
         problems.append(f'{flag_name} "{parent}": no image folder named "<repeats>_<class tokens>" found{found}; '
                         f'put the images in a subfolder such as "{root / "10_mychar"}" (10 repeats, class tokens '

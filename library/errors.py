@@ -19,8 +19,24 @@ class UserError(Exception):
     def __init__(self, *messages: str) -> None:
         if not messages:
             raise ValueError("UserError needs at least one message")
+        if len(messages) == 1 and messages[0].startswith(_WORKER_PREFIX):
+            messages = _worker_messages(messages[0])
         self.messages = list(messages)
         super().__init__("\n".join(self.messages))
+
+
+# torch's DataLoader re-raises a worker's exception as ``type(exc)("Caught UserError in DataLoader worker process
+# N.\nOriginal Traceback ...")``; the original messages are the text after the traceback's last "UserError: ".
+_WORKER_PREFIX = "Caught UserError in DataLoader worker"
+_LAST_LINE = f"\n{__name__}.UserError: "
+
+
+def _worker_messages(text: str) -> tuple[str, ...]:
+    """The messages of a UserError raised in a DataLoader worker, without the worker's traceback."""
+    at = text.rfind(_LAST_LINE)
+    if at < 0:
+        return (text,)
+    return tuple(text[at + len(_LAST_LINE):].rstrip("\n").split("\n"))
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:

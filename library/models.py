@@ -43,6 +43,17 @@ def build_builtin(name: str, seed: int = 0) -> SDModel:
     return assemble(unet, vae, text_encoder, v2=False, v_parameterization=False, name=name)
 
 
+def _from_pretrained(cls, path: Path, subfolder: str):
+    """One part of a diffusers folder; a part whose files cannot be read (truncated, missing) is a UserError."""
+    try:
+        return cls.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0]
+        raise UserError(f"--pretrained_model_name_or_path {path}: {subfolder}/ cannot be loaded ({reason}); its "
+                        "weights are truncated or missing (an interrupted download or copy?): copy the folder "
+                        "again") from None
+
+
 def _load_diffusers_folder(path: Path, *, v2: bool, v_parameterization: bool) -> SDModel:
     """A diffusers pipeline folder, read like ``StableDiffusionPipeline.from_pretrained`` reads its parts."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -54,9 +65,9 @@ def _load_diffusers_folder(path: Path, *, v2: bool, v_parameterization: bool) ->
             f"--pretrained_model_name_or_path {path}: diffusers folder lacks {', '.join(missing)}/; "
             f"point it at a complete pipeline folder, or use {ACCEPTED_FORMS}"
         )
-    unet = UNet2DConditionModel.from_pretrained(str(path), subfolder="unet", local_files_only=True)
-    vae = AutoencoderKL.from_pretrained(str(path), subfolder="vae", local_files_only=True)
-    text_encoder = CLIPTextModel.from_pretrained(str(path), subfolder="text_encoder", local_files_only=True)
+    unet = _from_pretrained(UNet2DConditionModel, path, "unet")
+    vae = _from_pretrained(AutoencoderKL, path, "vae")
+    text_encoder = _from_pretrained(CLIPTextModel, path, "text_encoder")
     folder_is_v2 = text_encoder.config.hidden_size == 1024
     check_v2_flag(path, file_is_v2=folder_is_v2, v2=v2)
     tokenizer = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from pathlib import Path
 
 import torch
 
@@ -94,9 +95,14 @@ def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, d
         network, _ = module.create_network_from_weights(1.0, cfg.network_weights, model.vae, model.text_encoder,
                                                         model.unet, **kwargs)
     else:
-        network = module.create_network(1.0, cfg.network_dim, cfg.network_alpha, model.vae, model.text_encoder,
-                                        model.unet, neuron_dropout=cfg.network_dropout, **kwargs)
+        check_rank(cfg.network_dim, model)
+        # sd-scripts' --network_alpha defaults to 1 and is always passed (lycoris.kohya needs a number)
+        alpha = cfg.network_alpha if cfg.network_alpha is not None else 1.0
+        network = module.create_network(1.0, cfg.network_dim, alpha, model.vae, model.text_encoder, model.unet,
+                                        neuron_dropout=cfg.network_dropout, **kwargs)
     network.apply_to(model.text_encoder, model.unet, train_te, train_unet)
+    if cfg.network_weights:
+        check_weights_fit(cfg, weights_shapes(cfg.network_weights), network, train_te, train_unet)
     if cfg.network_weights and not cfg.dim_from_weights:
         info = network.load_weights(cfg.network_weights)
         log.info("loaded network weights from %s: %s", cfg.network_weights, info)
@@ -104,6 +110,89 @@ def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, d
     network.prepare_grad_etc(model.text_encoder, model.unet)
     network.train()
     return network, train_te
+
+def check_rank(network_dim: int | None, model: SDModel) -> None:
+    """A rank above every layer's min(in, out) adds parameters (and memory, without bound) but no expressiveness;
+    sd-scripts allocates it anyway and runs out of memory for a mistyped rank."""
+    if network_dim is None:
+        return
+    widths = [min(m.in_features, m.out_features) if isinstance(m, torch.nn.Linear)
+              else min(m.in_channels, m.out_channels)
+              for part in (model.unet, model.text_encoder) for m in part.modules()
+              if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    if widths and network_dim > max(widths):
+        raise UserError(f"--network_dim {network_dim} is above the width of every layer of this model (at most "
+                        f"{max(widths)}): a LoRA's rank cannot usefully exceed min(in, out) of its layer; SD LoRAs "
+                        "use 4 to 128")
+
+
+def weights_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """``--network_weights``: every tensor's name and shape, read before any model loads (the header only, for
+    .safetensors); a file that is missing, truncated or not a weights file is a UserError naming it."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--network_weights {path}: no such file; give a LoRA .safetensors (or .pt/.ckpt) file")
+    if file.suffix.lower() == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"--network_weights {path}: cannot be read as a .safetensors file ({exc}); it is "
+                            "truncated or not a safetensors file: copy it again, or give another LoRA") from None
+    try:
+        loaded = torch.load(str(file), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many types for a file that is not a weights pickle
+        raise UserError(f"--network_weights {path}: cannot be read as a LoRA file ({type(exc).__name__}); give a "
+                        "LoRA .safetensors (or a weights-only .pt/.ckpt) file") from None
+    if not isinstance(loaded, dict) or not any(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise UserError(f"--network_weights {path}: holds no tensors; give a LoRA .safetensors file")
+    return {k: tuple(v.shape) for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+
+
+def _examples(keys) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:3]) + (f" ... ({len(keys)} in all)" if len(keys) > 3 else "")
+
+
+def check_weights_fit(cfg: NetworkConfig, shapes: dict[str, tuple[int, ...]], network, train_te: bool,
+                      train_unet: bool) -> None:
+    """``--network_weights`` must fit the network it is loaded into. sd-scripts loads non-strictly, so a LoRA of
+    another model family trains from scratch with zero keys loaded, and another rank fails with a size-mismatch
+    traceback; here both are errors naming the mismatch, as are tensors the network has no module for (they would
+    be dropped from the result). Modules the file lacks start from their initial values (an info line)."""
+    own = {k: tuple(v.shape) for k, v in network.state_dict().items()}
+    path = cfg.network_weights
+    matched = own.keys() & shapes.keys()
+    if not matched:
+        raise UserError(f"--network_weights {path}: none of its {len(shapes)} tensors belongs to this network (the "
+                        f"file has {_examples(shapes)}; this network has {_examples(own) or 'no modules'}): it is a "
+                        f"LoRA for another model family (SDXL?) or network module than {cfg.network_module}, or no "
+                        "LoRA at all")
+    wrong = sorted(k for k in matched if own[k] != shapes[k])
+    if wrong:
+        first = wrong[0]
+        rank = (f"; the file has rank {shapes[first][0]}, this network {own[first][0]}: give --network_dim "
+                f"{shapes[first][0]} or --dim_from_weights" if first.endswith("lora_down.weight") else "")
+        raise UserError(f"--network_weights {path}: {len(wrong)} tensors have another shape than this network's "
+                        f"({first}: {list(shapes[first])} in the file, {list(own[first])} here){rank}")
+    extra = shapes.keys() - own.keys()
+    frozen = {k for k in extra if (k.startswith("lora_te") and not train_te)
+              or (k.startswith("lora_unet") and not train_unet)}
+    if frozen:
+        log.warning("--network_weights %s: %d tensors of the part not trained in this run (%s) are not loaded and "
+                    "not in the saved LoRA", path, len(frozen), _examples(frozen))
+    if extra - frozen:
+        raise UserError(f"--network_weights {path}: {len(extra - frozen)} tensors have no module in this network "
+                        f"({_examples(extra - frozen)}), so they would be dropped: the file was trained with other "
+                        "--network_args (conv_dim for conv layers?); give those, or --dim_from_weights to shape the "
+                        "network like the file")
+    missing = own.keys() - shapes.keys()
+    if missing:
+        log.info("--network_weights %s: %d tensors of this network are not in the file and start fresh (%s)", path,
+                 len(missing), _examples(missing))
+
 
 def parse_network_args(items: list[str]) -> dict[str, str]:
     """``--network_args`` as sd-scripts parses it: split on the first "=", values stay strings."""

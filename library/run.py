@@ -25,6 +25,7 @@ from library.checkpoint import OutputNames, Saver, make_save_hooks, save_dtype
 from library.config import TrainConfig, public_snapshot, validate
 from library.data import build_train_data
 from library.data.debug import show_batches
+from library.fs_checks import check_folder, ensure_room_for_save
 from library.metadata import optimizer_description, thumbnail_data_url, training_metadata
 from library.noise import apply_zero_terminal_snr
 from library.output import open_output
@@ -92,6 +93,10 @@ def run(cfg: TrainConfig) -> RunResult | None:
     if saved is not None:
         check_trajectory(saved, route)
     names = OutputNames(cfg.save.output_name)
+    if cfg.log.logging_dir:
+        check_folder("--logging_dir", cfg.log.logging_dir)
+    if cfg.network.network_weights:
+        network_setup.weights_shapes(cfg.network.network_weights)  # a bad file is named before the model loads
 
     with open_output(cfg.save.output_dir, names.last, names.owns):  # before anything heavy loads
         torch.manual_seed(seed)
@@ -104,6 +109,7 @@ def run(cfg: TrainConfig) -> RunResult | None:
         if cfg.noise.zero_terminal_snr:
             apply_zero_terminal_snr(model.noise_scheduler)
         network, train_te = network_setup.build_network(cfg.network, model, policy, device)
+        ensure_room_for_save(cfg.save.output_dir, network, save_dtype(cfg.save), cfg.save.save_state, "the LoRA")
         if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
             model_setup.cache_latents(data, model, policy, device, cfg.data, cfg.model.highvram)
         groups, descriptions = network_setup.param_groups(network, cfg.optimizer)

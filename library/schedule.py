@@ -44,9 +44,18 @@ def plan_steps(batches_per_epoch: int, *, batch_size: int, gradient_accumulation
     """sd-scripts' step arithmetic for a loader of ``batches_per_epoch`` batches (each of ``batch_size``)."""
     if batches_per_epoch < 1:
         raise UserError("the dataset yields no batches: check the image folders and --train_batch_size")
+    per_process = math.ceil(batches_per_epoch / num_processes)
+    if gradient_accumulation_steps > per_process:
+        # accelerate ends an accumulation window at the end of the data loader, but still divides each loss by the
+        # full count, so sd-scripts would update once per epoch with a fraction of the gradient
+        accum = gradient_accumulation_steps
+        raise UserError(f"--gradient_accumulation_steps {accum} is more than the {per_process} batches of an epoch: "
+                        f"every update would come at the end of an epoch after only {per_process} micro-batches, "
+                        f"each loss still divided by {accum} (so the gradient is {per_process}/{accum} of its mean, "
+                        f"as in sd-scripts); use --gradient_accumulation_steps {per_process} or less, or a smaller "
+                        "--train_batch_size")
     if max_train_epochs is not None:
         max_train_steps = max_train_epochs * math.ceil(batches_per_epoch / num_processes / gradient_accumulation_steps)
-    per_process = math.ceil(batches_per_epoch / num_processes)
     updates_per_epoch = math.ceil(per_process / gradient_accumulation_steps)
     num_epochs = math.ceil(max_train_steps / updates_per_epoch)
     return StepPlan(batches_per_epoch, updates_per_epoch, num_epochs, max_train_steps, batch_size,

@@ -189,11 +189,15 @@ def read_state_dict(path: Path, device: str = "cpu") -> tuple[StateDict, dict[st
     import torch
 
     if path.suffix.lower() == ".safetensors":
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt", device=device) as f:
-            names = list(f.keys())
-            return {k: f.get_tensor(k) for k in names}, dict(f.metadata() or {})
+        try:
+            with safe_open(str(path), framework="pt", device=device) as f:
+                names = list(f.keys())
+                return {k: f.get_tensor(k) for k in names}, dict(f.metadata() or {})
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"{path}: cannot be read as a .safetensors file ({exc}); it is truncated (an interrupted "
+                            "download or copy?) or not a safetensors file: download or copy it again") from None
     try:
         loaded = torch.load(str(path), map_location=device, weights_only=True)
     except Exception as exc:

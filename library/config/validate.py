@@ -11,6 +11,7 @@ from library.config.log import LogConfig, read_tracker_config
 from library.config.model import model_problems
 from library.config.network import network_module_problems
 from library.config.precision import precision_problems
+from library.config.ranges import range_problems
 from library.config.sections import TrainConfig, field_default
 from library.config.unavailable import unavailable_problems
 from library.errors import UserError
@@ -73,48 +74,9 @@ def _log_problems(cfg: LogConfig) -> list[str]:
     return problems
 
 
-def _range_problems(cfg: TrainConfig) -> list[str]:
-    problems = []
-    positive = {
-        "--train_batch_size": cfg.data.train_batch_size,
-        "--gradient_accumulation_steps": cfg.schedule.gradient_accumulation_steps,
-        "--max_train_steps": cfg.schedule.max_train_steps,
-        "--max_train_epochs": cfg.schedule.max_train_epochs,
-        "--network_dim": cfg.network.network_dim,
-        "--save_every_n_epochs": cfg.save.save_every_n_epochs,
-        "--save_every_n_steps": cfg.save.save_every_n_steps,
-        "--save_last_n_epochs": cfg.save.save_last_n_epochs,
-        "--save_last_n_steps": cfg.save.save_last_n_steps,
-        "--save_last_n_epochs_state": cfg.save.save_last_n_epochs_state,
-        "--save_last_n_steps_state": cfg.save.save_last_n_steps_state,
-        "--save_n_epoch_ratio": cfg.save.save_n_epoch_ratio,
-        "--initial_epoch": cfg.schedule.initial_epoch,
-        "--clip_skip": cfg.model.clip_skip,
-        "--vae_batch_size": cfg.data.vae_batch_size,
-        "--max_nan_steps": cfg.precision.max_nan_steps,
-    }
-    for name, value in positive.items():
-        if value is not None and value < 1:
-            problems.append(f"{name} {value}: must be at least 1")
-    if cfg.schedule.initial_step is not None and cfg.schedule.initial_step < 0:
-        problems.append(f"--initial_step {cfg.schedule.initial_step}: must not be negative (0 = the first step)")
-    for name, value in {"--network_dropout": cfg.network.network_dropout,
-                        "--caption_dropout_rate": cfg.data.caption_dropout_rate,
-                        "--caption_tag_dropout_rate": cfg.data.caption_tag_dropout_rate}.items():
-        if value is not None and not 0.0 <= value < 1.0:
-            problems.append(f"{name} {value}: must be in [0, 1)")
-    if cfg.optimizer.learning_rate < 0:
-        problems.append(f"--learning_rate {cfg.optimizer.learning_rate}: must not be negative")
-    if cfg.optimizer.max_grad_norm < 0:
-        problems.append(f"--max_grad_norm {cfg.optimizer.max_grad_norm}: must not be negative (0 disables clipping)")
-    if cfg.model.max_token_length not in (None, 75, 150, 225):
-        problems.append(f"--max_token_length {cfg.model.max_token_length}: must be 75, 150 or 225")
-    return problems
-
-
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks, run before anything is loaded; every problem is reported at once."""
-    problems = (_range_problems(cfg) + unavailable_problems(cfg.unavailable) + network_module_problems(cfg.network)
+    problems = (range_problems(cfg) + unavailable_problems(cfg.unavailable) + network_module_problems(cfg.network)
                 + model_problems(cfg.model) + precision_problems(cfg.precision) + _log_problems(cfg.log)
                 + _dataset_class_problems(cfg.data))
     if not cfg.model.pretrained_model_name_or_path and not cfg.data.debug_dataset:
@@ -141,6 +103,19 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.optimizer.fused_backward_pass and cfg.schedule.gradient_accumulation_steps > 1:
         problems.append("--fused_backward_pass steps each parameter as soon as its gradient exists, so gradients "
                         "cannot be accumulated; use --gradient_accumulation_steps 1 or drop --fused_backward_pass")
+    nz, lo, m = cfg.noise, cfg.loss, cfg.model
+    if nz.adaptive_noise_scale is not None and nz.noise_offset is None:
+        problems.append("--adaptive_noise_scale adds to the noise offset, so it needs --noise_offset (as in "
+                        "sd-scripts)")
+    if lo.scale_v_pred_loss_like_noise_pred and not m.v_parameterization:
+        problems.append("--scale_v_pred_loss_like_noise_pred applies only with --v_parameterization (as in "
+                        "sd-scripts)")
+    if lo.v_pred_like_loss and m.v_parameterization:
+        problems.append("--v_pred_like_loss adds a v-prediction-like loss to a noise-prediction model; it cannot be "
+                        "used with --v_parameterization (as in sd-scripts)")
+    if nz.zero_terminal_snr and not m.v_parameterization:
+        log.warning("--zero_terminal_snr is meant for --v_parameterization; without it training is unexpected "
+                    "(sd-scripts warns the same)")
     if (cfg.data.cache_latents or cfg.data.cache_latents_to_disk) and not cfg.data.dataset_class:
         for name, on in (("--color_aug", cfg.data.color_aug), ("--random_crop", cfg.data.random_crop)):
             if on:

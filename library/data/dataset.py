@@ -6,6 +6,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
@@ -20,6 +21,7 @@ from library.data.prepare import PreparedDataset, prepare_datasets
 from library.data.transforms import bucket_placement, mask_tensor, place, to_tensor
 from library.dataset_config import DatasetGroupSpec, SubsetSpec, load_dataset_specs
 from library.errors import UserError
+from library.fs_checks import write_problem
 
 logger = logging.getLogger(__name__)
 
@@ -194,8 +196,12 @@ class TrainData:
             mirrored = flipped[n].clone() if flipped is not None else None
             if to_disk:
                 path = latent_cache.npz_path(item.path, item.size)
-                latent_cache.write(path, latents[n], item.size, crop_ltrb(item.choice.bucket, item.size), mirrored,
-                                   key, masks[n])
+                try:
+                    latent_cache.write(path, latents[n], item.size, crop_ltrb(item.choice.bucket, item.size),
+                                       mirrored, key, masks[n])
+                except OSError as exc:
+                    raise UserError(f"{path}: cannot write the latent cache ({exc.strerror or exc}); free some space "
+                                    "or make the folder writable, or use --cache_latents (in RAM)") from None
                 self.latents.disk[(d, i)] = str(path)
             else:
                 self.latents.ram[(d, i)] = (latents[n].clone(), mirrored)
@@ -225,4 +231,10 @@ def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | Non
         return build_custom_data(data, seed=seed, max_token_length=max_token_length, v2=v2, masked_loss=masked_loss)
     group = load_dataset_specs(data, masked_loss)
     datasets = prepare_datasets(list(group.datasets), data.skip_broken_images)
+    if data.cache_latents_to_disk:
+        folders = sorted({str(Path(item.path).parent) for ds in datasets for item in ds.items})
+        problems = [p for p in map(write_problem, folders) if p is not None]
+        if problems:
+            raise UserError(*(f"--cache_latents_to_disk writes .npz files beside the images: {p}" for p in problems),
+                            "make those folders writable, or use --cache_latents (in RAM) instead")
     return TrainData(group, datasets, data, seed)

@@ -300,9 +300,15 @@ def prepare_datasets(specs: list[DatasetSpec], skip_broken_images: bool) -> list
                       "pass --enable_bucket (enable_bucket = true) or lower --resolution")
     for ds in prepared:
         if not errors and not ds.items:
-            dirs = [s.metadata_file or s.image_dir for s in ds.spec.subsets]
-            errors.append(f"{ds.spec.location}: no images found in {', '.join(map(str, dirs)) or 'no folders'}; "
-                          f"expected {' '.join(IMAGE_EXTENSIONS)} files directly inside each folder")
+            unused = [s for s in ds.spec.subsets if s.num_repeats < 1]
+            dirs = [s.metadata_file or s.image_dir for s in ds.spec.subsets if s.num_repeats >= 1]
+            if unused:
+                names = ", ".join(f"{s.location} (num_repeats {s.num_repeats})" for s in unused[:MAX_LISTED])
+                errors.append(f"{ds.spec.location}: no images to train: {names} skipped because a subset with "
+                              "num_repeats below 1 is used 0 times per epoch; set num_repeats = 1 or more")
+            if dirs or not unused:
+                errors.append(f"{ds.spec.location}: no images found in {', '.join(map(str, dirs)) or 'no folders'}; "
+                              f"expected {' '.join(IMAGE_EXTENSIONS)} files directly inside each folder")
     if errors:
         raise UserError(*errors)
     if report.missing_captions:
