@@ -95,7 +95,8 @@ def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, d
         network, _ = module.create_network_from_weights(1.0, cfg.network_weights, model.vae, model.text_encoder,
                                                         model.unet, **kwargs)
     else:
-        check_rank(cfg.network_dim, model)
+        if cfg.network_module == "networks.lora":  # LyCORIS reads the dim otherwise (LoKr: 10000 = full matrix)
+            check_rank(cfg.network_dim, model)
         # sd-scripts' --network_alpha defaults to 1 and is always passed (lycoris.kohya needs a number)
         alpha = cfg.network_alpha if cfg.network_alpha is not None else 1.0
         network = module.create_network(1.0, cfg.network_dim, alpha, model.vae, model.text_encoder, model.unet,
@@ -112,8 +113,8 @@ def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, d
     return network, train_te
 
 def check_rank(network_dim: int | None, model: SDModel) -> None:
-    """A rank above every layer's min(in, out) adds parameters (and memory, without bound) but no expressiveness;
-    sd-scripts allocates it anyway and runs out of memory for a mistyped rank."""
+    """``networks.lora``: a rank above every layer's min(in, out) adds parameters (and memory, without bound) but no
+    expressiveness; sd-scripts allocates it anyway and runs out of memory for a mistyped rank."""
     if network_dim is None:
         return
     widths = [min(m.in_features, m.out_features) if isinstance(m, torch.nn.Linear)
