@@ -144,9 +144,10 @@ def weights_shapes(path: str) -> dict[str, tuple[int, ...]]:
                             "truncated or not a safetensors file: copy it again, or give another LoRA") from None
     try:
         loaded = torch.load(str(file), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch.load raises many types for a file that is not a weights pickle
-        raise UserError(f"--network_weights {path}: cannot be read as a LoRA file ({type(exc).__name__}); give a "
-                        "LoRA .safetensors (or a weights-only .pt/.ckpt) file") from None
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for a bad file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"--network_weights {path}: cannot be read as plain tensors ({first}); a pickle that needs "
+                        "more than that could run code, so it is not loaded: convert it to .safetensors") from None
     if not isinstance(loaded, dict) or not any(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise UserError(f"--network_weights {path}: holds no tensors; give a LoRA .safetensors file")
     return {k: tuple(v.shape) for k, v in loaded.items() if isinstance(v, torch.Tensor)}

@@ -163,7 +163,8 @@ def test_network_weights_file_problems(tmp_path):
         network_setup.weights_shapes(str(cut))
     text = tmp_path / "notes.pt"
     text.write_text("not a pickle")
-    with pytest.raises(UserError, match=r"--network_weights .*notes.pt: cannot be read as a LoRA file"):
+    with pytest.raises(UserError, match=r"--network_weights .*notes.pt: cannot be read as plain tensors .*convert it "
+                                        r"to .safetensors"):
         network_setup.weights_shapes(str(text))
     with pytest.raises(UserError, match=r"--network_weights .*nope.safetensors: no such file"):
         network_setup.weights_shapes(str(tmp_path / "nope.safetensors"))
