@@ -164,3 +164,17 @@ def test_debug_dataset_with_a_class(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "the 3 batches of epoch 1" in out and 'item0a, loss weight 1, caption "square 0"' in out
     assert not (tmp_path / "out").exists()
+
+
+def test_token_ids_win_over_captions_except_with_weighted_captions():
+    from types import SimpleNamespace
+
+    from library.step import BatchLoss
+
+    batch = {"input_ids": torch.zeros(1, 77, dtype=torch.long), "captions": ["a (cat:1.2)"]}
+    fake = SimpleNamespace(weighted_captions=False, encode_ids=lambda ids: "ids", conditioning=lambda c: "captions")
+    assert BatchLoss.text_states(fake, batch) == "ids"  # sd-scripts: input_ids_list unless weighted_captions
+    fake.weighted_captions = True
+    assert BatchLoss.text_states(fake, batch) == "captions"
+    with pytest.raises(UserError, match="--weighted_captions parses caption text"):
+        BatchLoss.text_states(fake, {"input_ids": batch["input_ids"]})
