@@ -20,6 +20,7 @@ from networks.args import network_metadata
 
 log = logging.getLogger(__name__)
 
+
 def import_network_module(name: str):
     """The module named by ``--network_module`` (``lycoris.kohya`` through our adapter)."""
     try:
@@ -111,6 +112,7 @@ def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, d
     network.prepare_grad_etc(model.text_encoder, model.unet)
     network.train()
     return network, train_te
+
 
 def check_rank(network_dim: int | None, model: SDModel) -> None:
     """``networks.lora``: a rank above every layer's min(in, out) adds parameters (and memory, without bound) but no
@@ -206,6 +208,7 @@ def parse_network_args(items: list[str]) -> dict[str, str]:
         kwargs[key.strip()] = value.strip()
     return kwargs
 
+
 def param_groups(network, cfg: OptimizerConfig) -> tuple[list[dict], list[str]]:
     """The network's optimizer parameter groups and their names. As sd-scripts' ``train_network.py``: a network
     with ``prepare_optimizer_params_with_multiple_te_lrs`` gets every ``--text_encoder_lr`` value (one per text
@@ -218,6 +221,7 @@ def param_groups(network, cfg: OptimizerConfig) -> tuple[list[dict], list[str]]:
     if isinstance(result, tuple):
         return result
     return result, [f"group{i}" for i in range(len(result))]
+
 
 def network_meta(cfg: NetworkConfig) -> dict[str, str]:
     return network_metadata(cfg.network_module, cfg.network_dim, cfg.network_alpha if cfg.network_alpha is not None

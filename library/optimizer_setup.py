@@ -33,6 +33,7 @@ from library.tracking import lr_tags
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class OptimizerChoice:
     """The optimizer a run uses: its registry entry (None for a dotted ``module.Class``) and checked options."""
@@ -50,6 +51,7 @@ class OptimizerChoice:
         """sd-scripts' ``is_schedulefree_optimizer``: the type name ends in "schedulefree" (any case)."""
         return self.name.lower().endswith("schedulefree")
 
+
 @dataclass(frozen=True)
 class ScheduleChoice:
     """The LR scheduler a run builds, checked before the models load. ``name`` is ``--lr_scheduler`` as sd-scripts
@@ -63,6 +65,7 @@ class ScheduleChoice:
     options: dict[str, Any] = field(default_factory=dict)
     adafactor_lr: float | None = None
     schedule_free: bool = False
+
 
 def check_optimizer(cfg: OptimizerConfig, schedule: ScheduleConfig) -> OptimizerChoice:
     """Resolve the optimizer name and options, and check the LR schedule's flags, before anything loads; every
@@ -85,11 +88,13 @@ def check_optimizer(cfg: OptimizerConfig, schedule: ScheduleConfig) -> Optimizer
     _resolve_schedule(schedule, choice, cfg.learning_rate, None)
     return choice
 
+
 def plan_schedule(cfg: ScheduleConfig, choice: OptimizerChoice, plan: StepPlan,
                   learning_rate: float) -> ScheduleChoice:
     """The LR scheduler for a run of ``plan.max_train_steps`` updates; the checks that need the number of updates
     (a warm-up given as a ratio) are made here, still before the models load."""
     return _resolve_schedule(cfg, choice, learning_rate, plan.max_train_steps)
+
 
 def _scheduler_args(cfg: ScheduleConfig) -> dict[str, Any]:
     """``--lr_scheduler_args``, read like ``--optimizer_args`` (sd-scripts uses one parser for both)."""
@@ -97,6 +102,7 @@ def _scheduler_args(cfg: ScheduleConfig) -> dict[str, Any]:
         return optimizers.parse_optimizer_args(cfg.lr_scheduler_args)
     except optimizers.OptimizerConfigError as exc:
         raise UserError(f"--lr_scheduler_args: {str(exc).removeprefix('optimizer_args: ')}") from exc
+
 
 def _resolve_schedule(cfg: ScheduleConfig, choice: OptimizerChoice, learning_rate: float,
                       total: int | None) -> ScheduleChoice:
@@ -134,6 +140,7 @@ def _resolve_schedule(cfg: ScheduleConfig, choice: OptimizerChoice, learning_rat
     shape = lr_shape(cfg, options, total, learning_rate) if total is not None else None
     return ScheduleChoice(spec.name, shape=shape)
 
+
 def _scheduler_class(name: str) -> type:
     """sd-scripts' rule for ``--lr_scheduler_type``: a bare name is a class of ``torch.optim.lr_scheduler``, a
     dotted ``module.Class`` is imported. Raises ``UserError``."""
@@ -158,6 +165,7 @@ def _scheduler_class(name: str) -> type:
                         "the spelling (case matters)")
     return found
 
+
 def _class_problems(name: str, options: dict[str, Any], choice: OptimizerChoice) -> list[str]:
     """Why ``--lr_scheduler_type`` cannot run: a metric-driven class, missing or unknown keyword arguments."""
     scheduler_class = _scheduler_class(name)
@@ -181,14 +189,17 @@ def _class_problems(name: str, options: dict[str, Any], choice: OptimizerChoice)
                         "--lr_scheduler_args only, e.g. --lr_scheduler_args T_max=1000)")
     return problems
 
+
 def _fused_backward_names() -> list[str]:
     return [spec.name for spec in optimizers.REGISTRY.values() if spec.fused_backward]
+
 
 def build_optimizer(choice: OptimizerChoice, groups: list[dict], lr: float):
     try:
         return optimizers.build_optimizer(choice.name, groups, lr, **choice.options)
     except optimizers.OptimizerConfigError as exc:
         raise UserError(f"--optimizer_type {choice.name}: {exc}") from exc
+
 
 def build_scheduler(optimizer, schedule: ScheduleChoice):
     """The LR scheduler of ``schedule`` for the built optimizer; it ticks once per optimizer update."""
@@ -204,6 +215,7 @@ def build_scheduler(optimizer, schedule: ScheduleChoice):
     if schedule.schedule_free:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     return build_lr_scheduler(optimizer, schedule.shape)
+
 
 def schedule_warnings(cfg: ScheduleConfig, choice: OptimizerChoice) -> list[str]:
     """The schedule flags that this run's scheduler does not read (sd-scripts ignores them in silence)."""
@@ -227,11 +239,13 @@ def schedule_warnings(cfg: ScheduleConfig, choice: OptimizerChoice) -> list[str]
     spec = find_schedule(cfg.lr_scheduler)
     return unread_flags(cfg, spec.reads, f"--lr_scheduler {spec.name}", warmup_read=spec.warmup != "ignored")
 
+
 def optimizer_warnings(choice: OptimizerChoice, groups: list[dict], schedule: ScheduleConfig, full_bf16: bool,
                        plan: StepPlan) -> list[str]:
     warmup = resolve_steps(schedule.lr_warmup_steps, plan.max_train_steps)
     return (optimizers.startup_warnings(choice.name, choice.options, [g["lr"] for g in groups], warmup, full_bf16)
             + schedule_warnings(schedule, choice))
+
 
 def rounds_stochastically(choice: OptimizerChoice, policy: PrecisionPolicy) -> bool:
     """Whether bf16 weight updates of this run are stochastically rounded."""
@@ -241,6 +255,7 @@ def rounds_stochastically(choice: OptimizerChoice, policy: PrecisionPolicy) -> b
     if spec.stochastic_rounding == "native":
         return bool(options.get("use_stochastic_rounding", options.get("stochastic_rounding", True)))
     return bool(options.get("stochastic_rounding", spec.sr_default))
+
 
 def optimizer_state_label(choice: OptimizerChoice, policy: PrecisionPolicy) -> str:
     """The optimizer state's dtype as it will be allocated, for the start-of-run precision line."""
@@ -252,6 +267,7 @@ def optimizer_state_label(choice: OptimizerChoice, policy: PrecisionPolicy) -> s
     if spec.stochastic_rounding != "native" and rounds_stochastically(choice, policy):
         return "fp32 (stochastic-rounding wrapper)"
     return dtype_name(policy.network_dtype)
+
 
 def lr_reporter(optimizer, descriptions: list[str], choice: OptimizerChoice) -> Callable[[], dict[str, float]]:
     """The per-group learning rates to log, as sd-scripts tags them: ``lr/<group>`` is the scheduled LR; for

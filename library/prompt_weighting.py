@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 CHUNK_TOKENS = 75
 MAX_CHUNKS = 3
 
+
 def weighted_tokens(tokenizer: CLIPTokenizer, text: str) -> tuple[list[int], list[float]]:
     """Token ids of ``text`` without BOS/EOS and one weight per token; each weighted fragment is tokenised on its
     own. More than 225 tokens are cut (with a warning)."""

@@ -52,6 +52,7 @@ SAMPLER_SPECS: dict[str, SamplerSpec] = {
     "dpmsingle": SamplerSpec("DPMSolverSinglestepScheduler"),
 }
 
+
 def missing_package(name: str) -> str | None:
     """The package sampler ``name`` needs that is not installed, or None."""
     needs = SAMPLER_SPECS[name].needs

@@ -22,8 +22,6 @@ check = upstream_env.check
 STEPS = 4
 
 
-
-
 def parse(*argv: str):
     return train_network.setup_parser().parse_args(list(argv))
 

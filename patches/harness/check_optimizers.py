@@ -23,8 +23,6 @@ upstream_env.quiet_logging()
 check = upstream_env.check
 
 
-
-
 class Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
