@@ -297,9 +297,11 @@ def _check_values(spec: DatasetSpec, problems: list[str]) -> None:
                             f"max_bucket_reso ({spec.max_bucket_reso})")
     if not 0.0 <= spec.validation_split <= 1.0:
         problems.append(f"{loc}: validation_split must be between 0 and 1, got {spec.validation_split}")
-    elif spec.validation_split > 0:
-        logger.warning("%s: validation_split is not implemented by this trainer; every image is used for training",
-                       loc)
+    elif spec.validation_split > 0 and not spec.is_dreambooth:
+        problems.append(f"{loc}: validation_split {spec.validation_split}: sd-scripts splits image folders only; a "
+                        "dataset of metadata_file subsets (--in_json) is not split, so it would be validated on its "
+                        "own training images. Put the held-out images in an image folder dataset with "
+                        "validation_split = 1.0, or drop validation_split")
     for sub in spec.subsets:
         where = sub.location
         for name in ("caption_dropout_rate", "caption_tag_dropout_rate"):

@@ -2,7 +2,9 @@
 
 Key names and value formats follow sd-scripts' ``train_network.py`` and ``library/sai_model_spec.py``
 (SD_SCRIPTS_BEHAVIOR.md §10): every value is a string, booleans as "True"/"False", missing values as
-"None". Keys of our own (``ss_full_bf16``, ``ss_stochastic_rounding``) are additive.
+"None". Keys of our own (``ss_full_bf16``, ``ss_stochastic_rounding``) are additive. The ``ss_validation_*`` keys
+are the command-line values, as sd-scripts writes ``args.validation_*`` (a dataset config's own ``validation_split``
+is not among them); ``ss_num_validation_images`` comes with the dataset keys.
 """
 
 from __future__ import annotations
@@ -168,7 +170,6 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, *, seed: int, thumbnail:
         "ss_text_encoder_lr": _s(o.text_encoder_lr or None),
         "ss_unet_lr": _s(o.unet_lr),
         "ss_num_train_images": _s(num_train_images),
-        "ss_num_validation_images": "0",
         "ss_num_reg_images": _s(num_reg_images),
         "ss_num_batches_per_epoch": _s(plan.batches_per_epoch),
         "ss_num_epochs": _s(plan.num_epochs),
@@ -214,11 +215,11 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, *, seed: int, thumbnail:
         "ss_huber_c": _s(lo.huber_c),
         "ss_fp8_base": _s(p.fp8_base),
         "ss_fp8_base_unet": _s(p.fp8_base_unet),
-        "ss_validation_seed": "None",
-        "ss_validation_split": "0.0",
-        "ss_max_validation_steps": "None",
-        "ss_validate_every_n_epochs": "None",
-        "ss_validate_every_n_steps": "None",
+        "ss_validation_seed": _s(d.validation_seed),
+        "ss_validation_split": _s(d.validation_split),
+        "ss_max_validation_steps": _s(cfg.validation.max_validation_steps),
+        "ss_validate_every_n_epochs": _s(cfg.validation.validate_every_n_epochs),
+        "ss_validate_every_n_steps": _s(cfg.validation.validate_every_n_steps),
         "ss_resize_interpolation": _s(d.resize_interpolation),
         **dataset_meta,
         **network_meta,

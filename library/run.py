@@ -40,6 +40,7 @@ from library.tracking import Tracker
 from library.train import LoopResult, train_loop
 from library.trajectory import optimizer_label, trajectory
 from library.update import DynamicLossScale, Updater
+from library.validation import build_validation
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +154,15 @@ def run(cfg: TrainConfig) -> RunResult | None:
         model_setup.compile_unet(model, cfg.precision)
         samples = make_sample_hooks(sample_plan, model, network, policy, device, Path(cfg.save.output_dir),
                                     cfg.save.output_name, tracker, cfg.model.clip_skip)
+        validation = build_validation(data.validation, cfg.validation, batch_loss,
+                                      (network, model.text_encoder, model.unet), plan.max_train_steps)
         saves = make_save_hooks(saver, names, network, state.capture, meta, cfg.save, plan.num_epochs)
         try:
             result = train_loop(
                 data=data, batch_loss=batch_loss, updater=updater, plan=plan, saves=saves, samples=samples,
                 tracker=tracker, lr_values=optimizer_setup.lr_reporter(optimizer, descriptions, choice),
-                on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet), start=start)
+                on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet), start=start,
+                validation=validation)
         finally:
             tracker.close()
             accumulation.remove()

@@ -3,7 +3,10 @@
 Tags (SD_SCRIPTS_BEHAVIOR.md §6): ``loss/current``, ``loss/average`` (moving average over the last
 epoch's worth of steps), ``loss/epoch_average``, ``lr/textencoder`` and ``lr/unet`` (or ``lr/group<i>``),
 ``lr/d*lr/<group>`` for learning-rate-free optimizers, ``grad_norm``, ``max_norm/*``; sample images as
-``sample_<index>`` (sd-scripts logs them to wandb only, with the prompt as caption; here TensorBoard gets them too).
+``sample_<index>`` (sd-scripts logs them to wandb only, with the prompt as caption; here TensorBoard gets them too);
+with a validation split ``loss/validation/step_average`` and ``loss/validation/step_divergence`` (at the update,
+with ``--validate_every_n_steps``) and ``loss/validation/epoch_average`` and ``loss/validation/epoch_divergence`` (at
+the epoch number, as ``loss/epoch_average``), the divergence being the validation loss minus ``loss/average``.
 
 The wandb key (``--wandb_api_key``) is used for ``wandb.login`` only: it is never part of the tracker config, the
 LoRA metadata, the state folder or ``--output_config`` (``library/config/sections.py``: ``public_snapshot``).
@@ -144,3 +147,21 @@ def lr_tags(descriptions: list[str]) -> list[str]:
     """Tag names of the param groups' learning rates: ``lr/textencoder``, ``lr/unet``, else by description."""
     names = {"textencoder": "lr/textencoder", "text_encoder": "lr/textencoder", "unet": "lr/unet"}
     return [names.get(d, f"lr/{d}") for d in descriptions]
+
+
+def validation_scalars(when: str, loss: float, train_average: float) -> dict[str, float]:
+    """sd-scripts' validation tags for a validation run at a step or an epoch end (``when``: "step" / "epoch")."""
+    return {f"loss/validation/{when}_average": loss, f"loss/validation/{when}_divergence": loss - train_average}
+
+
+def progress_fields(epoch: int, num_epochs: int, loss: float, lrs: dict[str, float],
+                    validation_loss: float | None) -> dict[str, str]:
+    """The progress bar's postfix: epoch, moving-average loss, learning rate (the step size d*lr of a
+    learning-rate-free optimizer, else the first group's) and the last validation loss once there is one."""
+    fields = {"epoch": f"{epoch}/{num_epochs}", "loss": f"{loss:.4f}"}
+    applied = [v for tag, v in lrs.items() if tag.startswith("lr/d*lr/")] or list(lrs.values())
+    if applied:
+        fields["lr"] = f"{applied[0]:.3g}"
+    if validation_loss is not None:
+        fields["val"] = f"{validation_loss:.4f}"
+    return fields

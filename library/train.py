@@ -4,7 +4,9 @@ Everything it needs (precision, accumulation, rounding, saving cadence) is decid
 handed in; the loop itself has no feature switches. The arithmetic is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md
 §4.2): an update every ``gradient_accumulation_steps`` micro-batches and at the end of each epoch,
 ``global_step`` counts updates, step saves happen at every multiple of ``--save_every_n_steps`` (the last step
-included), epoch saves after epochs other than the last, then the final save (``library/checkpoint.py``).
+included), epoch saves after epochs other than the last, then the final save (``library/checkpoint.py``). With a
+validation split, ``validation`` (``library/validation.py``) runs after an update and at the end of an epoch when
+its cadence says so; its scalars are logged with the step's or the epoch's.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from tqdm import tqdm
 from library.errors import TrainingDiverged
 from library.position import Position, SampleHooks, SaveHooks
 from library.schedule import StepPlan
-from library.tracking import LossAverage, Tracker
+from library.tracking import LossAverage, Tracker, progress_fields
 from library.update import Updater
+from library.validation import Validation
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,8 @@ class LoopResult:
 
 def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Updater, plan: StepPlan,
                saves: SaveHooks, samples: SampleHooks, tracker: Tracker, lr_values: Callable[[], dict[str, float]],
-               on_epoch_start: Callable[[int], None], start: Position) -> LoopResult:
+               on_epoch_start: Callable[[int], None], start: Position,
+               validation: Validation | None = None) -> LoopResult:
     """Train from ``start`` until ``plan.max_train_steps`` updates; returns where it ended.
 
     The first epoch begins at ``start.batch`` (the batches before it are not loaded); a later epoch at its first
@@ -69,9 +73,13 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
             last_loss, window_loss = window_loss, 0.0
             average.add(last_loss)
             progress.update(1)
-            progress.set_postfix(loss=f"{average.moving_average:.4f}")
+            lrs = lr_values()
             scalars = {"loss/current": last_loss, "loss/average": average.moving_average,
-                       "grad_norm": result.grad_norm, **lr_values()}
+                       "grad_norm": result.grad_norm, **lrs}
+            if validation is not None:
+                scalars.update(validation.at_step(pos, average.moving_average))
+            progress.set_postfix(progress_fields(pos.epoch + 1, plan.num_epochs, average.moving_average, lrs,
+                                                 validation.last_loss if validation is not None else None))
             if result.max_norm_stats is not None:
                 keys, mean, maximum = result.max_norm_stats
                 scalars.update({"max_norm/keys_scaled": keys, "max_norm/average_key_norm": mean,
@@ -83,7 +91,8 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
                 saves.step_save(pos)
             if pos.step >= plan.max_train_steps:
                 break
-        tracker.log({"loss/epoch_average": average.end_epoch()}, pos.epoch + 1)
+        epoch_scalars = validation.at_epoch_end(pos, average.moving_average) if validation is not None else {}
+        tracker.log({"loss/epoch_average": average.end_epoch(), **epoch_scalars}, pos.epoch + 1)
         if pos.batch < len(loader):
             if samples.every_n_epochs and (pos.epoch + 1) % samples.every_n_epochs == 0:
                 samples.sample(pos, pos.epoch + 1)  # sd-scripts samples after an epoch cut short, too

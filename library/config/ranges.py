@@ -96,6 +96,9 @@ def range_problems(cfg: TrainConfig) -> list[str]:
         "--clip_skip": cfg.model.clip_skip,
         "--vae_batch_size": d.vae_batch_size, "--max_nan_steps": cfg.precision.max_nan_steps,
         "--lr_scheduler_num_cycles": s.lr_scheduler_num_cycles,
+        "--validate_every_n_steps": cfg.validation.validate_every_n_steps,
+        "--validate_every_n_epochs": cfg.validation.validate_every_n_epochs,
+        "--max_validation_steps": cfg.validation.max_validation_steps,
     }
     problems += [f"{name} {value}: must be at least 1" for name, value in at_least_one.items()
                  if value is not None and value < 1]

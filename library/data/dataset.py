@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from library.config import DataConfig
 from library.data import latent_cache
-from library.data.batches import BatchSource, EpochSampler, LatentStore
+from library.data.batches import BatchKey, BatchSource, EpochSampler, LatentStore
 from library.data.buckets import crop_ltrb
 from library.data.images import check_scanned_size, load_image, load_image_with_alpha
 from library.data.metadata import dataset_metadata
@@ -40,13 +40,16 @@ class TrainData:
     """Everything the training loop needs from the data side.
 
     Call ``set_epoch`` before iterating the loader of that epoch, and ``cache_latents`` before ``dataloader()``.
+    ``validation`` holds the images held out by ``validation_split`` (their own ``TrainData``), or None.
     """
 
-    def __init__(self, group: DatasetGroupSpec, datasets: list[PreparedDataset], data: DataConfig, seed: int) -> None:
+    def __init__(self, group: DatasetGroupSpec, datasets: list[PreparedDataset], data: DataConfig, seed: int,
+                 validation: TrainData | None = None) -> None:
         self.group = group
         self.datasets = datasets
         self.data = data
         self.seed = seed
+        self.validation = validation
         self.progress = _Progress()
         self.latents = LatentStore({}, {})
         self.source = BatchSource(datasets, seed, group.prior_loss_weight, self.latents)
@@ -91,6 +94,13 @@ class TrainData:
             num_workers=num_workers, persistent_workers=self.data.persistent_data_loader_workers and num_workers > 0,
         )
 
+    def fixed_batches(self, count: int, step: int) -> Iterator[dict]:
+        """The first ``count`` batches of epoch 1, each as update ``step`` of a ``step``-update run sees it (captions
+        past any token warm-up), read in this process: no DataLoader iterator, so torch's global generator is not
+        touched. Every call yields the same batches."""
+        for position in range(min(count, len(self.source))):
+            yield self.source[BatchKey(1, position, step, step)]
+
     def summary(self) -> list[str]:
         """Start-of-run lines: per subset images and repeats, reg balancing, buckets, batches per epoch."""
         lines = []
@@ -116,6 +126,9 @@ class TrainData:
                 lines.append(f"  mean aspect-ratio error: {ds.bucket_info['mean_img_ar_error']:.4f}")
             lines.append(f"  {ds.batch_count()} batches per epoch")
         lines.append(f"total: {self.num_train_images} training images with repeats, {len(self)} batches per epoch")
+        if self.validation is not None:
+            lines.append(f"validation: {self.validation.num_train_images} held-out images "
+                         f"(validation_split), {len(self.validation)} batches")
         return lines
 
     def image_details(self) -> dict[str, str]:
@@ -129,8 +142,11 @@ class TrainData:
         return details
 
     def metadata(self) -> dict[str, str]:
-        """sd-scripts' dataset ``ss_*`` metadata keys, stringified."""
-        return dataset_metadata(self.datasets, self.data, self.group.from_file)
+        """sd-scripts' dataset ``ss_*`` metadata keys, stringified, with ``ss_num_validation_images`` (the held-out
+        images, each counted once)."""
+        held_out = self.validation.num_train_images if self.validation is not None else 0
+        return {**dataset_metadata(self.datasets, self.data, self.group.from_file),
+                "ss_num_validation_images": str(held_out)}
 
     def cache_latents(self, encode: Callable[[torch.Tensor], torch.Tensor], *, to_disk: bool, vae_id: str,
                       batch_size: int) -> None:
@@ -140,7 +156,8 @@ class TrainData:
         ``encode`` maps images [B, 3, H, W] in [-1, 1] to unscaled latents [B, 4, H/8, W/8]. Disk caches that are
         still valid (see ``latent_cache``) are reused without encoding; with ``--skip_cache_check`` every existing
         cache file is reused unopened and unhashed (sd-scripts' ``skip_disk_cache_validity_check``). Images are
-        encoded in groups of one bucket, flip_aug and alpha_mask setting, as sd-scripts groups them.
+        encoded in groups of one bucket, flip_aug and alpha_mask setting, as sd-scripts groups them. The validation
+        images are cached too.
         """
         blocked = sorted({info.spec.location for ds in self.datasets for info in ds.subsets
                           if info.spec.color_aug or info.spec.random_crop})
@@ -172,6 +189,8 @@ class TrainData:
         for (_, flip, alpha), jobs in sorted(pending.items(), key=lambda kv: kv[0][0][0] * kv[0][0][1]):
             for start in range(0, len(jobs), batch_size):
                 self._encode_batch(encode, jobs[start:start + batch_size], flip, alpha, to_disk)
+        if self.validation is not None:
+            self.validation.cache_latents(encode, to_disk=to_disk, vae_id=vae_id, batch_size=batch_size)
 
     def _encode_batch(self, encode: Callable[[torch.Tensor], torch.Tensor], jobs: list[tuple[int, int, str]],
                       flip: bool, alpha: bool, to_disk: bool) -> None:
@@ -217,7 +236,9 @@ def _mask_note(sub: SubsetSpec) -> str:
 
 def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | None = None, masked_loss: bool = False,
                      v2: bool = False):
-    """Scan and validate the datasets of a run (all problems in one UserError); no model needed.
+    """Scan and validate the datasets of a run (all problems in one UserError); no model needed. The images a
+    ``validation_split`` holds out are in ``.validation`` (``library/data/split.py``; the batch order and every
+    random choice of their batches are keyed by ``--validation_seed``, else ``seed``).
 
     ``masked_loss`` (the loss section's ``--masked_loss``) admits mask images (``conditioning_data_dir``) and
     requires some mask source. Returns ``TrainData``, or with ``--dataset_class`` the adapter of the user's class
@@ -230,11 +251,16 @@ def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | Non
 
         return build_custom_data(data, seed=seed, max_token_length=max_token_length, v2=v2, masked_loss=masked_loss)
     group = load_dataset_specs(data, masked_loss)
-    datasets = prepare_datasets(list(group.datasets), data.skip_broken_images)
+    datasets, held_out = prepare_datasets(list(group.datasets), data.skip_broken_images, seed)
     if data.cache_latents_to_disk:
-        folders = sorted({str(Path(item.path).parent) for ds in datasets for item in ds.items})
+        folders = sorted({str(Path(item.path).parent) for ds in datasets + held_out for item in ds.items})
         problems = [p for p in map(write_problem, folders) if p is not None]
         if problems:
             raise UserError(*(f"--cache_latents_to_disk writes .npz files beside the images: {p}" for p in problems),
                             "make those folders writable, or use --cache_latents (in RAM) instead")
-    return TrainData(group, datasets, data, seed)
+    validation = None
+    if held_out:
+        validation_seed = data.validation_seed if data.validation_seed is not None else seed
+        validation = TrainData(replace(group, datasets=tuple(ds.spec for ds in held_out)), held_out, data,
+                               validation_seed)
+    return TrainData(group, datasets, data, seed, validation)

@@ -1,14 +1,16 @@
 """From dataset specs to prepared datasets: images found, captions read, repeats balanced, buckets assigned.
 
 This follows sd-scripts' ``DreamBoothDataset.__init__`` / ``FineTuningDataset.__init__`` and
-``BaseDataset.make_buckets``; every problem found while scanning (unreadable images, empty caption files, images
+``BaseDataset.make_buckets``, and a dataset with ``validation_split`` into its training and validation part as
+sd-scripts' ``generate_dataset_group_by_blueprint`` builds them (``library/data/split.py``); every problem found while
+scanning (unreadable images, empty caption files, images
 smaller than the resolution, bucket limits) is collected and raised in one ``UserError``. No torch here.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from library.data import info_cache
@@ -31,6 +33,7 @@ from library.data.images import (
 )
 from library.data.masks import match_mask_images
 from library.data.metadata_file import read_metadata_subset
+from library.data.split import Part, split_part, split_report
 from library.dataset_config import DatasetSpec, SubsetSpec
 from library.errors import UserError
 
@@ -240,39 +243,73 @@ def _bucket_limits(spec: DatasetSpec, errors: list[str]) -> tuple[int | None, in
     return low, high
 
 
-def prepare_dataset(spec: DatasetSpec, report: ScanReport) -> PreparedDataset:
-    """Scan one dataset's subsets and build its buckets; problems go to ``report``."""
-    low, high = _bucket_limits(spec, report.errors)
+def _split_found(found: list[tuple[str, str, tuple[int, int]]], sub: SubsetSpec, split: float, seed: int,
+                 part: Part) -> list[tuple[str, str, tuple[int, int]]]:
+    """The scanned images of a DreamBooth folder that belong to ``part``; the split is drawn over the whole folder
+    listing (unreadable images included), as sd-scripts splits before it opens any image."""
+    listing = [str(path) for path in list_images(sub.image_dir)]
+    if part == "train" and (overlap := split_report(sub.location, len(listing), split)):
+        logger.warning(overlap)
+    chosen = set(split_part(listing, split, seed, part))
+    return [entry for entry in found if entry[0] in chosen]
+
+
+def prepare_dataset(spec: DatasetSpec, report: ScanReport, part: Part = "train", split_seed: int = 0,
+                    scans: dict[str, tuple] | None = None) -> PreparedDataset:
+    """Scan one dataset's subsets and build its buckets; problems go to ``report``.
+
+    With ``validation_split`` each non-regularisation folder is split with ``split_seed`` and only ``part`` is
+    kept; the validation part counts every image once and has no regularisation images (sd-scripts'
+    ``is_training_dataset=False``). ``scans`` keeps each subset's scan, so the second part reads nothing again.
+    """
+    scans = {} if scans is None else scans
+    validating = part == "validation"
+    low, high = _bucket_limits(spec, report.errors if not validating else [])
     prepared = PreparedDataset(spec, [], [], 0, 0, low, high)
     reg_items: list[ImageItem] = []
     seen_sources: set[str] = set()
     for sub in spec.subsets:
         source = sub.metadata_file if sub.metadata_file is not None else sub.image_dir
-        if sub.num_repeats < 1:
+        repeats = 1 if validating else sub.num_repeats
+        if repeats < 1:
             logger.warning("%s: ignored: num_repeats is %d (below 1)", sub.location, sub.num_repeats)
             continue
         if source in seen_sources:
-            logger.warning("%s: ignored: %s is already a subset of this dataset", sub.location, source)
+            if not validating:
+                logger.warning("%s: ignored: %s is already a subset of this dataset", sub.location, source)
             continue
         seen_sources.add(source)
-        found, tag_key, tag_texts = _scan_subset(sub, report)
+        is_reg = sub.is_reg and spec.is_dreambooth
+        if validating and is_reg:
+            continue
+        if sub.location not in scans:
+            scans[sub.location] = _scan_subset(sub, report)
+        found, tag_key, tag_texts = scans[sub.location]
+        scanned = len(found)
+        if spec.validation_split > 0 and not is_reg:
+            found = _split_found(found, sub, spec.validation_split, split_seed, part)
+            tag_texts = [caption for _, caption, _ in found]
         freq = prepared.tag_frequency.setdefault(tag_key, {})
         for tag, n in count_tags(tag_texts).items():
             freq[tag] = freq.get(tag, 0) + n
         if not found:
-            logger.warning("%s: ignored: no images (%s) in %s", sub.location, " ".join(IMAGE_EXTENSIONS), source)
+            if scanned:
+                logger.info("%s: every image of %s is in the %s part", sub.location, source,
+                            "training" if validating else "validation")
+            elif not validating:
+                logger.warning("%s: ignored: no images (%s) in %s", sub.location, " ".join(IMAGE_EXTENSIONS),
+                               source)
             continue
         masks = match_mask_images(sub, found, report.errors) if sub.conditioning_data_dir else {}
         index = len(prepared.subsets)
-        prepared.subsets.append(SubsetInfo(sub, len(found)))
-        is_reg = sub.is_reg and spec.is_dreambooth
+        prepared.subsets.append(SubsetInfo(replace(sub, num_repeats=repeats), len(found)))
         for path, caption, size in found:
-            item = ImageItem(path, caption, size, index, is_reg, sub.num_repeats, mask_path=masks.get(path))
+            item = ImageItem(path, caption, size, index, is_reg, repeats, mask_path=masks.get(path))
             (reg_items if is_reg else prepared.items).append(item)
         if is_reg:
-            prepared.num_reg_images += sub.num_repeats * len(found)
+            prepared.num_reg_images += repeats * len(found)
         else:
-            prepared.num_train_images += sub.num_repeats * len(found)
+            prepared.num_train_images += repeats * len(found)
     if prepared.num_reg_images > prepared.num_train_images:
         logger.warning("%s: more regularisation images (%d with repeats) than training images (%d); some are not "
                        "used", spec.location, prepared.num_reg_images, prepared.num_train_images)
@@ -282,11 +319,22 @@ def prepare_dataset(spec: DatasetSpec, report: ScanReport) -> PreparedDataset:
     return prepared
 
 
-def prepare_datasets(specs: list[DatasetSpec], skip_broken_images: bool) -> list[PreparedDataset]:
-    """Prepare every dataset; raises one UserError with all problems, logs one warning for missing captions."""
+def prepare_datasets(specs: list[DatasetSpec], skip_broken_images: bool,
+                     seed: int = 0) -> tuple[list[PreparedDataset], list[PreparedDataset]]:
+    """Prepare every dataset: the training datasets, and the validation part of each dataset with a
+    ``validation_split`` (split with its ``validation_seed``, else ``seed``). Raises one UserError with all
+    problems, logs one warning for missing captions."""
     report = ScanReport()
-    prepared = [prepare_dataset(spec, report) for spec in specs]
-    errors = list(report.errors)
+    scans: dict[str, tuple] = {}
+    prepared, held_out = [], []
+    for spec in specs:
+        split_seed = spec.validation_seed if spec.validation_seed is not None else seed
+        prepared.append(prepare_dataset(spec, report, "train", split_seed, scans))
+        if spec.validation_split > 0:
+            held_out.append(prepare_dataset(spec, report, "validation", split_seed, scans))
+    validated = {ds.spec.location for ds in held_out if ds.items}
+    errors = list(dict.fromkeys(report.errors))  # an image in both parts reports its bucket problem twice
+    report.small_images = list(dict.fromkeys(report.small_images))
     if report.broken:
         if skip_broken_images:
             logger.warning("skipping %d image(s) that cannot be decoded (--skip_broken_images): %s",
@@ -299,7 +347,7 @@ def prepare_datasets(specs: list[DatasetSpec], skip_broken_images: bool) -> list
                       f"and bucketing is off: {_listing(report.small_images)}; "
                       "pass --enable_bucket (enable_bucket = true) or lower --resolution")
     for ds in prepared:
-        if not errors and not ds.items:
+        if not errors and not ds.items and ds.spec.location not in validated:
             unused = [s for s in ds.spec.subsets if s.num_repeats < 1]
             dirs = [s.metadata_file or s.image_dir for s in ds.spec.subsets if s.num_repeats >= 1]
             if unused:
@@ -309,9 +357,12 @@ def prepare_datasets(specs: list[DatasetSpec], skip_broken_images: bool) -> list
             if dirs or not unused:
                 errors.append(f"{ds.spec.location}: no images found in {', '.join(map(str, dirs)) or 'no folders'}; "
                               f"expected {' '.join(IMAGE_EXTENSIONS)} files directly inside each folder")
+    if not errors and not any(ds.items for ds in prepared):
+        errors.append("every image is held out for validation (validation_split = 1.0 on every dataset); keep a "
+                      "dataset with a smaller validation_split to train on")
     if errors:
         raise UserError(*errors)
     if report.missing_captions:
         logger.warning("no caption file for %d image(s); their class tokens (or an empty caption) are used: %s",
                        len(report.missing_captions), _listing(report.missing_captions))
-    return prepared
+    return prepared, [ds for ds in held_out if ds.items]
