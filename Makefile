@@ -1,4 +1,4 @@
-# Two commands: `make demo` trains the demo LoRA, `make test` runs the test suite.
+# Two commands: `make demo` trains the demo LoRA (and draws its report picture), `make test` runs the test suite.
 # Both (re)create .venv from requirements.txt when it is missing or requirements.txt changed.
 
 PYTHON ?= python3
@@ -20,6 +20,7 @@ $(STAMP): requirements.txt
 
 demo: $(STAMP)
 	$(PY) train_network.py --config_file configs/demo.toml
+	$(PY) -m bench.report output/demo/logs --samples output/demo/sample --out output/demo/demo_lora_report.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -99,3 +99,19 @@ def test_zero_cadence_is_refused(tmp_path, capsys, flag):
     assert train_network.main(train_args(tmp_path / "out", "--validation_split", "0.25", flag, "0")) == 2
     assert f"{flag} 0: must be at least 1" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_report_picture_from_the_runs_log(runs):
+    from PIL import Image
+
+    from bench.report import main, read_scalars
+
+    out = runs / "report.png"
+    assert main([str(runs / "val_logs"), "--samples", str(runs / "val" / "sample"), "--out", str(out)]) == 0
+    with Image.open(out) as img:
+        width, height = img.size
+        colors = img.convert("RGB").getcolors(maxcolors=1 << 20)
+    assert width > 600 and height > 400
+    assert len(colors) > 50  # curves and text, not an empty canvas
+    logged = read_scalars(next((runs / "val_logs").iterdir()))
+    assert logged["loss/validation/step_average"].steps == [1, 2, 3]

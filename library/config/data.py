@@ -70,7 +70,8 @@ class DataConfig:
         None, "mask images for --masked_loss: one folder per <repeats>_<name> folder of --train_data_dir, named "
         "alike, each mask named as its image (white trains, black is ignored)")
     validation_split: float = flag(0.0, "fraction of the training images held out for the validation loss")
-    validation_seed: int | None = flag(None, "seed of the validation split (default: --seed)")
+    validation_seed: int | None = flag(None, "seed of the validation split and of the validation noise (default: "
+                                       "--seed)")
     dataset_class: str | None = flag(
         None, "batches from your own class package.module.Class, built as Class(tokenizer, max_token_length, "
         "resolution, debug_dataset); len() = batches per epoch, [i] = a dict with images [B,3,H,W] in [-1,1] or "
