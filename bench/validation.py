@@ -1,0 +1,177 @@
+"""Overhead of the validation loss: seconds per validation and the extra time per optimizer step, on the tiny model
+and on ``builtin:sd15-random`` (the real SD1.5 architecture, random weights) at 256 px, on the CPU (512 px on CUDA).
+
+Each configuration trains twice with ``train_network.py`` unchanged, in a child process (this script's ``--child``
+mode), on the 8 images of ``configs/sample_data/10_shapes`` (resized to the resolution, 1 repeat) with
+``--validation_split 0.25`` (6 train, 2 held out: 2 validation batches at batch size 1, each at 4 timesteps):
+once with ``--validate_every_n_steps 1`` and once with ``--validate_every_n_epochs 1000`` (never), so both train on
+the same 6 images. The child stamps every ``Updater.update`` and times every ``Validation.run``. A step is the time
+between two consecutive updates (the first is never counted); in the validating run it includes the validation
+after the earlier update. "Overhead per step" is the median step with validation minus the median step without;
+the last columns scale the validation time to a validation every N steps.
+
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python bench/validation.py
+
+writes ``bench/results/validation-2026-12-01.md`` (``...-cuda.md`` on a GPU) and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import itertools
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = ROOT / "configs" / "sample_data" / "10_shapes"
+RESULTS = ROOT / "bench" / "results"
+STEM = "validation-2026-12-01"
+MARKER = "validation_bench:"
+CADENCES = {"every step": ["--validate_every_n_steps", "1"], "never": ["--validate_every_n_epochs", "1000"]}
+
+
+def child(argv: list[str]) -> int:
+    """``train_network.main(argv)`` with the updates stamped and the validations timed; one JSON line at exit."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    import train_network
+    from library.update import Updater
+    from library.validation import Validation
+
+    cuda = torch.cuda.is_available()
+    stamps: list[float] = []
+    validations: list[float] = []
+    update, validate = Updater.update, Validation.run
+
+    def timed_update(self):
+        result = update(self)
+        if cuda:
+            torch.cuda.synchronize()
+        stamps.append(time.perf_counter())
+        return result
+
+    def timed_validation(self):
+        start = time.perf_counter()
+        loss = validate(self)  # ends in a host sync (the loss as a float)
+        validations.append(time.perf_counter() - start)
+        return loss
+
+    Updater.update, Validation.run = timed_update, timed_validation
+    code = train_network.main(argv)
+    steps = [b - a for a, b in itertools.pairwise(stamps)]
+    print(MARKER + json.dumps({"steps": steps, "validations": validations}), flush=True)
+    return code
+
+
+def write_images(folder: Path, size: int) -> None:
+    """The sample images resized to ``size`` x ``size`` (they are square), with their captions."""
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    for file in sorted(IMAGES.glob("*.png")):
+        with Image.open(file) as image:
+            image.convert("RGB").resize((size, size), Image.Resampling.LANCZOS).save(folder / file.name)
+        caption = file.with_suffix(".txt")
+        (folder / caption.name).write_text(caption.read_text(encoding="utf-8"), encoding="utf-8")
+
+
+def measure(argv: list[str], log_file: Path) -> dict:
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", *argv]
+    with log_file.open("w") as out:
+        code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    text = log_file.read_text()
+    if code != 0 or MARKER not in text:
+        raise RuntimeError(f"{shlex.join(command)} failed; see {log_file}:\n{text[-3000:]}")
+    return json.loads(text.split(MARKER, 1)[1].splitlines()[0])
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in ("torch", "diffusers"))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"Machine: {cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}; "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; Python {platform.python_version()}, "
+            f"{versions}; load average at the end {load:.1f}")
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--child"]:
+        return child(sys.argv[2:])
+    import torch
+
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--resolution", type=int, default=512 if cuda else 256, help="for builtin:sd15-random")
+    parser.add_argument("--tiny_steps", type=int, default=8)
+    parser.add_argument("--sd15_steps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS / (STEM + ("-cuda" if cuda else "") + ".md"))
+    args = parser.parse_args()
+    configurations = [
+        ("builtin:tiny-sd15", 64, args.tiny_steps, ["--mixed_precision", "no"]),
+        ("builtin:sd15-random", args.resolution, args.sd15_steps, ["--mixed_precision", "no"]),
+        ("builtin:sd15-random", args.resolution, args.sd15_steps, ["--mixed_precision", "no", "--cache_latents"]),
+    ]
+    rows = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for n, (model, size, steps, extra) in enumerate(configurations):
+            data = Path(tmp) / f"data{size}"
+            if not data.exists():
+                write_images(data / "1_shapes", size)
+            base = ["--pretrained_model_name_or_path", model, "--train_data_dir", str(data), "--caption_extension",
+                    ".txt", "--resolution", str(size), "--train_batch_size", "1", "--network_module",
+                    "networks.lora", "--network_dim", "16", "--network_alpha", "8", "--learning_rate", "1e-4",
+                    "--max_train_steps", str(steps), "--max_data_loader_n_workers", "0", "--seed", "0",
+                    "--validation_split", "0.25", *extra]
+            runs = {name: measure(base + flags + ["--output_dir", str(Path(tmp) / f"out{n}{name[0]}")],
+                                  Path(tmp) / f"run{n}-{name[0]}.log") for name, flags in CADENCES.items()}
+            with_val = statistics.median(runs["every step"]["steps"])
+            without = statistics.median(runs["never"]["steps"])
+            validation = statistics.median(runs["every step"]["validations"])
+            rows.append(f"| {model} | {size} | {shlex.join(extra)} | {without:.3f} | {with_val:.3f} | "
+                        f"{with_val - without:.3f} ({(with_val - without) / without:+.0%}) | {validation:.3f} | "
+                        f"{validation / 8:.3f} | {validation / (10 * without):.0%} | "
+                        f"{validation / (100 * without):.1%} |")
+            print(rows[-1], flush=True)
+
+    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
+    command = f"{threads}HF_HUB_OFFLINE=1 .venv/bin/python bench/validation.py {shlex.join(sys.argv[1:])}".rstrip()
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    table = "\n".join([
+        "| model | px | flags | median s/step, no validation | median s/step, validating every step | "
+        "overhead per step | s per validation | s per (batch, timestep) | overhead every 10 steps | "
+        "overhead every 100 steps |",
+        "|---|---|---|---|---|---|---|---|---|---|", *rows])
+    text = "\n\n".join([
+        f"# Validation-loss overhead, {device}, 2026-12-01",
+        f"How to reproduce (from the repository root; {(time.perf_counter() - started) / 60:.0f} minutes here):"
+        f"\n\n    {command}",
+        machine() + f"; device {device}",
+        f"Common flags: LoRA rank 16 alpha 8 (U-Net and text encoder), batch 1, 8 images with "
+        f"--validation_split 0.25 (6 train, 2 validation batches x 4 timesteps = 8 forward passes per validation), "
+        f"{args.tiny_steps} steps (tiny) / {args.sd15_steps} steps (sd15-random), seed 0, "
+        "--max_data_loader_n_workers 0. Medians over the steps after the first, and over every validation.",
+        table,
+    ]) + "\n"
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
