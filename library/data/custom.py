@@ -203,6 +203,7 @@ class CustomData:
         self.name = name
         self.data = data
         self.datasets: list = []  # no folder datasets: the resume trajectory fingerprints none
+        self.validation = None  # sd-scripts builds no validation set for a --dataset_class dataset either
         self.progress = _Progress()
         self.source = _Adapter(dataset, name, chunks, masked_loss)
         self.seed = seed
@@ -246,6 +247,7 @@ class CustomData:
         d = self.data
         values = {
             "ss_num_train_images": self.num_train_images, "ss_num_reg_images": self.num_reg_images,
+            "ss_num_validation_images": 0,
             "ss_batch_size_per_device": self.batch_size, "ss_resolution": self.resolution,
             "ss_caption_dropout_rate": d.caption_dropout_rate,
             "ss_caption_dropout_every_n_epochs": d.caption_dropout_every_n_epochs,
