@@ -3,8 +3,9 @@
     python train_network.py --pretrained_model_name_or_path MODEL --train_data_dir DATA \\
         --resolution 512 --output_dir OUT --network_module networks.lora [--full_bf16 ...]
 
-Exit codes: 0 done, 2 bad input (nothing written), 3 training diverged (last good LoRA saved),
-130 interrupted (the last saved checkpoint is intact).
+Exit codes: 0 done, 2 bad input (nothing written; also weights or a state holding NaN/Inf), 3 training diverged
+(the message names the last good LoRA: saved at the stop when the weights were still good, else the last file
+written before; no file ever holds NaN/Inf), 130 interrupted (the last saved checkpoint is intact).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     loop = result.loop
     print(f"saved {result.lora_path}: {loop.position.step} steps, {loop.position.epoch} epochs, "
-          f"final loss {loop.last_loss:.4f}, {loop.seconds:.1f} s ({loop.seconds_per_step:.3f} s/step)")
+          f"final loss {loop.last_loss:.4f}, {loop.skipped_updates} updates skipped as non-finite, "
+          f"{loop.seconds:.1f} s ({loop.seconds_per_step:.3f} s/step)")
     return 0
 
 

@@ -14,6 +14,11 @@ final file at the end. A state is written beside every save with ``--save_state`
 A state is a folder (``library/state_file.py``: safetensors and JSON, no pickle); files and folders are replaced
 atomically (``library/files.py``), so an interruption leaves the previous save intact.
 
+No file the trainer writes holds a NaN or an infinity: before anything of a save is written, the LoRA tensors (cast
+to ``--save_precision``, which can overflow fp16) and every floating tensor of the state are checked with one
+multi-tensor reduction (``library/finite.py``); a non-finite one stops the run with ``TrainingDiverged`` (exit 3)
+and leaves every earlier file as it was. ``Saver.last_lora`` names the newest LoRA file written, for that message.
+
 Pruning (``train_util.get_remove_epoch_no`` / ``get_remove_step_no`` and ``save_and_remove_state_*``): after saving
 epoch e, the epoch save e - n·N is removed (N = ``--save_last_n_epochs``); after step s, the step save
 r - r mod n with r = s - N - 1 (N = ``--save_last_n_steps``, n = ``--save_every_n_steps``). States are pruned the same
@@ -32,7 +37,9 @@ from typing import Any
 import torch
 
 from library.config import SaveConfig
+from library.errors import TrainingDiverged
 from library.files import remove_folder
+from library.finite import describe, floating_tensors, non_finite_names
 from library.fs_checks import ensure_free_space, ensure_room_for_save, nested_tensor_bytes
 from library.metadata import Metadata
 from library.position import Position, SaveHooks
@@ -98,14 +105,32 @@ class Saver:
     output_dir: Path
     ext: str
     dtype: torch.dtype | None
+    last_lora: Path | None = None  # the newest LoRA file this run wrote
 
     def lora_path(self, stem: str) -> Path:
         return self.output_dir / f"{stem}.{self.ext}"
+
+    def check(self, network, stem: str, state: tuple[dict[str, Any], dict[str, Any]] | None) -> None:
+        """Refuse (``TrainingDiverged``, nothing written) a save whose LoRA or state would hold NaN or Inf."""
+        weights = network.state_dict()
+        bad = non_finite_names(weights, self.dtype)
+        if bad:
+            cast = f" in {str(self.dtype).removeprefix('torch.')} (--save_precision)" if self.dtype else ""
+            raise TrainingDiverged(f"not writing {self.lora_path(stem)}: {describe(bad, len(weights))}{cast}",
+                                   weights_intact=False)
+        if state is not None:
+            tensors = dict(floating_tensors(state[0]))
+            bad = non_finite_names(tensors)
+            if bad:
+                folder = self.output_dir / f"{stem}-state"
+                raise TrainingDiverged(f"not writing {folder}: {describe(bad, len(tensors))} (the optimizer state "
+                                       "overflowed?)", weights_intact=False)
 
     def save_lora(self, network, stem: str, metadata: dict[str, str]) -> Path:
         path = self.lora_path(stem)
         ensure_room_for_save(self.output_dir, network, self.dtype, False, path.name)
         network.save_weights(str(path), self.dtype, metadata if self.ext == "safetensors" else None)
+        self.last_lora = path
         return path
 
     def save_state(self, stem: str, state: tuple[dict[str, Any], dict[str, Any]]) -> None:
@@ -133,33 +158,39 @@ def make_save_hooks(saver: Saver, names: OutputNames, network,
 
     def step_save(pos: Position) -> None:
         stem = names.step(pos.step)
+        state = capture(pos) if cfg.save_state else None
+        saver.check(network, stem, state)
         saver.save_lora(network, stem, metadata.at_save(steps=pos.step, epoch=pos.epoch))
         every = cfg.save_every_n_steps or 1
         old = step_to_remove(pos.step, every, cfg.save_last_n_steps)
         if old is not None:
             saver.remove_lora(names.step(old))
-        if cfg.save_state:
-            saver.save_state(stem, capture(pos))
+        if state is not None:
+            saver.save_state(stem, state)
             old = step_to_remove(pos.step, every, keep_step_states)
             if old is not None:
                 saver.remove_state(names.step(old))
 
     def epoch_save(pos: Position) -> None:
         stem = names.epoch(pos.epoch)
+        state = capture(pos) if cfg.save_state else None
+        saver.check(network, stem, state)
         saver.save_lora(network, stem, metadata.at_save(steps=pos.step, epoch=pos.epoch))
         every = every_epochs or 1
         old = epoch_to_remove(pos.epoch, every, cfg.save_last_n_epochs)
         if old is not None:
             saver.remove_lora(names.epoch(old))
-        if cfg.save_state:
-            saver.save_state(stem, capture(pos))
+        if state is not None:
+            saver.save_state(stem, state)
             old = epoch_to_remove(pos.epoch, every, keep_epoch_states)
             if old is not None:
                 saver.remove_state(names.epoch(old))
 
     def final_save(pos: Position) -> None:
-        if cfg.save_state or cfg.save_state_on_train_end:
-            saver.save_state(names.last, capture(pos))
+        state = capture(pos) if cfg.save_state or cfg.save_state_on_train_end else None
+        saver.check(network, names.last, state)
+        if state is not None:
+            saver.save_state(names.last, state)
         saver.save_lora(network, names.last, metadata.at_save(steps=pos.step, epoch=num_epochs))
 
     return SaveHooks(cfg.save_every_n_steps, every_epochs, step_save, epoch_save, final_save)

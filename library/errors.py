@@ -46,6 +46,14 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
 
 
 class TrainingDiverged(RuntimeError):
-    """Training stopped after ``--max_nan_steps`` non-finite updates in a row; the weights are the last good ones."""
+    """Training stopped because values became non-finite (exit code 3).
+
+    ``weights_intact``: the weights are still the last good ones (``--max_nan_steps`` skipped updates in a row:
+    nothing was written), so they can be saved; False when the weights themselves are NaN/Inf or would be in the
+    file (nothing more is saved then)."""
 
     exit_code = 3
+
+    def __init__(self, message: str, *, weights_intact: bool = True) -> None:
+        super().__init__(message)
+        self.weights_intact = weights_intact

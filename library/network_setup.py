@@ -13,10 +13,12 @@ import torch
 
 from library.config import ModelConfig, NetworkConfig, OptimizerConfig
 from library.errors import UserError
+from library.finite import refuse_non_finite
 from library.model_parts import SDModel
 from library.precision import PrecisionPolicy
 from networks import NETWORK_MODULE_ALIASES
 from networks.args import network_metadata
+from networks.lora import load_weights_file
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +63,11 @@ def _read_base_weights(file: str) -> dict[str, torch.Tensor]:
     from networks.lora import load_weights_file
 
     try:
-        return load_weights_file(file)
+        weights = load_weights_file(file)
     except UserError as exc:  # its messages start with the file's path
         raise UserError(*(f"--base_weights {message}" for message in exc.messages)) from None
+    refuse_non_finite(weights, f"--base_weights {file}", "merge another file, or train without it")
+    return weights
 
 
 def _check_fits(file: str, network: torch.nn.Module, weights: dict[str, torch.Tensor], network_module: str) -> None:
@@ -84,6 +88,13 @@ def _check_fits(file: str, network: torch.nn.Module, weights: dict[str, torch.Te
         raise UserError(f"--base_weights {file}: {len(unknown)} of its modules match no layer that "
                         f"--network_module {network_module} targets in this model (e.g. {unknown[0]}); give a LoRA "
                         "trained on this model type (SD 1.x or 2.x, matching --v2) with that network module")
+
+
+def check_network_weights(cfg: NetworkConfig) -> None:
+    """Refuse a ``--network_weights`` file holding NaN or Inf before any model loads (``UserError``, exit 2)."""
+    if cfg.network_weights:
+        refuse_non_finite(load_weights_file(cfg.network_weights), f"--network_weights {cfg.network_weights}",
+                          "give the last good file of that run, or train without --network_weights")
 
 
 def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, device: torch.device):

@@ -1,9 +1,12 @@
 """Training noise, timesteps and targets, as sd-scripts draws them (train_util.get_noise_noisy_latents_and_timesteps).
 
-Every random draw goes through one explicit ``torch.Generator`` (a CPU generator is fine: tensors are drawn on the
-generator's device and then moved to the latents' device), so a step is reproducible from the generator state alone.
-sd-scripts uses the global torch RNG and, for the pyramid scale factors, Python's ``random``; here the generator
-replaces both. The order of the draws within one step follows sd-scripts:
+Every random draw goes through one explicit ``torch.Generator`` (tensors are drawn on the generator's device and then
+moved to the latents' device: the trainer uses a CUDA generator on CUDA), so a step is reproducible from the generator
+state alone. Random strengths stay tensors on that device, so drawing them never waits for it; only the pyramid's
+scale factors, which decide tensor sizes, are read on the host: from ``host_generator`` when given (the trainer gives
+a CPU one next to a CUDA generator), else from the generator. sd-scripts uses the global torch RNG and, for the
+pyramid scale factors, Python's ``random``; here the generators replace both. The order of the draws within one step
+follows sd-scripts:
 
 1. ``randn`` like the latents; 2. offset strength ``rand(1)`` (only with random strength);
 3. offset ``randn(B, C, 1, 1)``; 4. per pyramid level: the scale factor ``rand(1)``, then ``randn(B, C, h, w)``;
@@ -43,9 +46,15 @@ def _randn(shape: tuple[int, ...], generator: torch.Generator, device: torch.dev
     return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32).to(device)
 
 
-def _uniform(generator: torch.Generator) -> float:
-    """One U[0, 1) draw from the generator (in float64, like Python's ``random.random``)."""
-    return torch.rand(1, generator=generator, device=generator.device, dtype=torch.float64).item()
+def _uniform(generator: torch.Generator) -> torch.Tensor:
+    """One U[0, 1) draw from the generator (in float64, like Python's ``random.random``), shape [1], on the
+    generator's device."""
+    return torch.rand(1, generator=generator, device=generator.device, dtype=torch.float64)
+
+
+def _strength(generator: torch.Generator, scale: float, device: torch.device) -> torch.Tensor:
+    """``U(0, 1) * scale`` as an fp32 tensor of shape [1] on ``device`` (no host read)."""
+    return (_uniform(generator) * scale).to(device, torch.float32)
 
 
 def offset_noise(noise: torch.Tensor, latents: torch.Tensor, *, noise_offset: float,
@@ -62,7 +71,7 @@ def offset_noise(noise: torch.Tensor, latents: torch.Tensor, *, noise_offset: fl
     """
     strength: torch.Tensor | float = noise_offset
     if random_strength:
-        strength = _uniform(generator) * noise_offset
+        strength = _strength(generator, noise_offset, noise.device)
     if adaptive_noise_scale is not None:
         latent_mean = latents.float().mean(dim=(2, 3), keepdim=True).abs()
         strength = torch.clamp(strength + adaptive_noise_scale * latent_mean, min=0.0)
@@ -70,8 +79,8 @@ def offset_noise(noise: torch.Tensor, latents: torch.Tensor, *, noise_offset: fl
     return noise.float() + strength * offset
 
 
-def pyramid_noise(noise: torch.Tensor, *, iterations: int, discount: float,
-                  generator: torch.Generator) -> torch.Tensor:
+def pyramid_noise(noise: torch.Tensor, *, iterations: int, discount: float, generator: torch.Generator,
+                  host_generator: torch.Generator | None = None) -> torch.Tensor:
     """Multi-resolution (pyramid) noise (Whitaker 2023, "Multi-Resolution Noise for Diffusion Model Training",
     wandb report), as sd-scripts' ``custom_train_functions.pyramid_noise_like`` computes it.
 
@@ -80,13 +89,14 @@ def pyramid_noise(noise: torch.Tensor, *, iterations: int, discount: float,
     noise gains ``bilinear_upsample(randn(B, C, h_i, w_i)) * discount**i`` (align_corners False). Level 0 is an
     extra full-resolution Gaussian of weight 1 (``r**0 == 1``). The loop stops after a level where ``h_i`` or
     ``w_i`` is 1. The sum is divided by one unbiased standard deviation over the whole batch tensor.
-    The randn is drawn on the generator's device; the result is fp32.
+    The randn is drawn on the generator's device, ``r`` from ``host_generator`` (default: the generator) and read on
+    the host, since it decides the sizes; the result is fp32.
     """
     height, width = noise.shape[-2:]
     batch, channels = noise.shape[0], noise.shape[1]
     total = noise.float()
     for level in range(iterations):
-        ratio = _uniform(generator) * 2 + 2
+        ratio = _uniform(host_generator or generator).item() * 2 + 2
         level_h = max(1, int(height / ratio**level))
         level_w = max(1, int(width / ratio**level))
         coarse = _randn((batch, channels, level_h, level_w), generator, noise.device)
@@ -97,7 +107,8 @@ def pyramid_noise(noise: torch.Tensor, *, iterations: int, discount: float,
     return total / total.std()
 
 
-def sample_noise(latents: torch.Tensor, cfg: NoiseConfig, generator: torch.Generator) -> torch.Tensor:
+def sample_noise(latents: torch.Tensor, cfg: NoiseConfig, generator: torch.Generator,
+                 host_generator: torch.Generator | None = None) -> torch.Tensor:
     """The training noise for ``latents``: Gaussian, then offset noise (if ``noise_offset`` is truthy), then
     pyramid noise (if ``multires_noise_iterations`` is truthy); both can be combined, as in current sd-scripts
     (``train_util.get_noise_noisy_latents_and_timesteps``). Returned in the latents' dtype.
@@ -109,7 +120,8 @@ def sample_noise(latents: torch.Tensor, cfg: NoiseConfig, generator: torch.Gener
                              adaptive_noise_scale=cfg.adaptive_noise_scale, generator=generator)
     if cfg.multires_noise_iterations:
         noise = pyramid_noise(noise, iterations=cfg.multires_noise_iterations,
-                              discount=cfg.multires_noise_discount, generator=generator)
+                              discount=cfg.multires_noise_discount, generator=generator,
+                              host_generator=host_generator)
     return noise.to(latents.dtype)
 
 
@@ -125,7 +137,7 @@ def sample_timesteps(batch_size: int, cfg: NoiseConfig, generator: torch.Generat
     if low < high:
         steps = torch.randint(low, high, (batch_size,), generator=generator, device=generator.device)
     else:
-        steps = torch.full((batch_size,), high, dtype=torch.long)
+        steps = torch.full((batch_size,), high, dtype=torch.long, device=device)
     return steps.long().to(device)
 
 
@@ -147,9 +159,9 @@ def noisy_latents(scheduler: NoiseSchedule, latents: torch.Tensor, noise: torch.
     """
     applied = noise.float()
     if cfg.ip_noise_gamma:
-        strength = cfg.ip_noise_gamma
+        strength: torch.Tensor | float = cfg.ip_noise_gamma
         if cfg.ip_noise_gamma_random_strength:
-            strength = _uniform(generator) * cfg.ip_noise_gamma
+            strength = _strength(generator, cfg.ip_noise_gamma, latents.device)
         applied = applied + strength * _randn(tuple(latents.shape), generator, latents.device)
     alpha_bar = _gather(scheduler.alphas_cumprod, timesteps, latents)
     noisy = alpha_bar.sqrt() * latents.float() + (1.0 - alpha_bar).sqrt() * applied

@@ -3,9 +3,10 @@ optimizer, scheduler, generators and accumulator; where training starts (``--ini
 ``--skip_until_initial_step``); and the checks that refuse a state that does not fit this run.
 
 The state stores everything that draws or carries randomness through the loop: torch's global generators (CPU and
-CUDA: the network's dropouts draw from them) and Python's, the noise generator, the stochastic-rounding
-accumulator, and the fp16 loss scale; with the data position (epoch, step, batch of the epoch) a resumed run
-repeats the uninterrupted one bit for bit.
+CUDA: the network's dropouts draw from them) and Python's, the noise generator (a CUDA generator on CUDA, with the
+CPU one that picks pyramid-noise sizes there), the stochastic-rounding accumulator, and the fp16 loss scale; with the
+data position (epoch, step, batch of the epoch) a resumed run repeats the uninterrupted one bit for bit. A state
+whose weights or optimizer state hold NaN or Inf is refused (``check_finite``): it could only train NaN.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch
 from library.accumulation import Accumulation
 from library.config import ScheduleConfig
 from library.errors import UserError
+from library.finite import floating_tensors, refuse_non_finite
 from library.position import Position
 from library.schedule import StepPlan
-from library.state_file import SavedState, StateFormatError, encode
+from library.state_file import TENSORS_FILE, SavedState, StateFormatError, encode
 from library.trajectory import differences, network_differences
 from library.update import DynamicLossScale
 
@@ -81,12 +83,6 @@ def _check_total(step: int, plan: StepPlan, what: str) -> None:
                         "number of steps, not the remainder); raise --max_train_steps or --max_train_epochs")
 
 
-def _check_total(step: int, plan: StepPlan, what: str) -> None:
-    if step > 0 and step >= plan.max_train_steps:
-        raise UserError(f"{what} {step}, which already reaches --max_train_steps {plan.max_train_steps} (the total "
-                        "number of steps, not the remainder); raise --max_train_steps or --max_train_epochs")
-
-
 def _whole(saved: SavedState, record: Any, key: str, where: str = "") -> int:
     value = record.get(key) if isinstance(record, dict) else None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -125,6 +121,14 @@ def check_trajectory(saved: SavedState, now: dict[str, Any]) -> None:
         raise UserError(*(f"--resume {saved.folder}: {line}" for line in found), RESUME_HINT)
 
 
+def check_finite(saved: SavedState) -> None:
+    """Refuse a state whose network weights or optimizer state hold NaN or Inf (``UserError``, exit 2)."""
+    objects = saved.objects
+    tensors = dict(floating_tensors({"network": objects.get("network"), "optimizer": objects.get("optimizer")}))
+    refuse_non_finite(tensors, f"--resume {saved.folder}: {TENSORS_FILE}",
+                      "resume from an earlier state folder, or start a new run")
+
+
 def _optimizer_problems(saved: Any, optimizer) -> list[str]:
     """Param groups that do not match: count, sizes, or options (another optimizer has other group keys)."""
     current = optimizer.state_dict().get("param_groups", [])
@@ -158,10 +162,14 @@ class TrainingState:
     seed: int
     trajectory: dict[str, Any]
     config: dict[str, Any]
+    host_generator: torch.Generator | None = None  # next to a CUDA noise generator: pyramid-noise sizes
 
     def objects(self) -> dict[str, Any]:
         rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                               "noise": self.noise_generator.get_state()}
+                               "noise": self.noise_generator.get_state(),
+                               "noise_device": self.noise_generator.device.type}
+        if self.host_generator is not None:
+            rng["noise_host"] = self.host_generator.get_state()
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {"network": self.network.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -195,6 +203,11 @@ class TrainingState:
                             "state of this trainer")
         problems = network_differences(network, self.network.state_dict())
         problems += _optimizer_problems(objects.get("optimizer"), self.optimizer)
+        rng = objects.get("rng")
+        saved_device = rng.get("noise_device", "cpu") if isinstance(rng, dict) else "cpu"
+        if saved_device != self.noise_generator.device.type:
+            problems.append(f"the state was saved by a run on {saved_device}, this one runs on "
+                            f"{self.noise_generator.device.type} (the noise generators differ)")
         if problems:
             raise UserError(*(f"--resume {saved.folder}: {line}" for line in problems), RESUME_HINT)
         try:
@@ -214,6 +227,8 @@ class TrainingState:
     def _restore_rng(self, rng: dict[str, Any]) -> None:
         torch.set_rng_state(rng["torch"])
         self.noise_generator.set_state(rng["noise"])
+        if self.host_generator is not None:
+            self.host_generator.set_state(rng["noise_host"])
         if rng.get("python") is not None:
             random.setstate(rng["python"])
         if rng.get("cuda") is not None and torch.cuda.is_available():

@@ -25,12 +25,14 @@ from library.checkpoint import OutputNames, Saver, make_save_hooks, save_dtype
 from library.config import TrainConfig, public_snapshot, validate
 from library.data import build_train_data
 from library.data.debug import show_batches
+from library.errors import TrainingDiverged
 from library.fs_checks import check_folder, ensure_room_for_save
 from library.metadata import optimizer_description, thumbnail_data_url, training_metadata
 from library.noise import apply_zero_terminal_snr
 from library.output import open_output
 from library.precision import optimizer_state_dtype, precision_policy
-from library.resume import TrainingState, check_trajectory, saved_position, saved_seed, start_position
+from library.readout import Readout
+from library.resume import TrainingState, check_finite, check_trajectory, saved_position, saved_seed, start_position
 from library.sample_prompts import plan_samples
 from library.sampling import make_sample_hooks
 from library.schedule import describe, plan_steps
@@ -60,6 +62,15 @@ def _stream_seed(seed: int, stream: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{stream}".encode()).digest()[:8], "little") >> 1
 
 
+def _last_good(saver: Saver, weights_intact: bool) -> str:
+    """Where the last good weights are, for the divergence message."""
+    if saver.last_lora is not None and weights_intact:
+        return f"the last good weights are saved in {saver.last_lora}"
+    if saver.last_lora is not None:
+        return f"the last good LoRA is {saver.last_lora}, left as it was"
+    return "no LoRA file was written by this run (--save_every_n_steps keeps earlier ones)"
+
+
 def run(cfg: TrainConfig) -> RunResult | None:
     """Train a LoRA as described by ``cfg``; returns the final file and the loop's figures (None when
     ``--debug_dataset`` only showed the batches)."""
@@ -68,6 +79,9 @@ def run(cfg: TrainConfig) -> RunResult | None:
     choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
     thumbnail = thumbnail_data_url(cfg.save.metadata_thumbnail)
     saved = read_state(cfg.save.resume) if cfg.save.resume else None
+    if saved is not None:
+        check_finite(saved)
+    network_setup.check_network_weights(cfg.network)
     seed, stored_seed = cfg.run.seed, saved_seed(saved) if saved is not None else None
     if seed is None and stored_seed is not None:
         seed = stored_seed
@@ -124,10 +138,12 @@ def run(cfg: TrainConfig) -> RunResult | None:
                                           network_dtype=policy.network_dtype,
                                           mode=cfg.precision.full_bf16_grad_accumulation,
                                           seed=_stream_seed(seed, "accumulation"))
-        noise_generator = torch.Generator().manual_seed(seed)
+        noise_generator = torch.Generator(device).manual_seed(seed)
+        host_generator = torch.Generator().manual_seed(_stream_seed(seed, "noise_host")) if device.type != "cpu" \
+            else None
         loss_scale = DynamicLossScale() if policy.loss_scaling else None
         state = TrainingState(network, optimizer, scheduler, noise_generator, accumulation, loss_scale, seed, route,
-                              public_snapshot(cfg))
+                              public_snapshot(cfg), host_generator)
         if cfg.save.save_state or cfg.save.save_state_on_train_end:
             state.check_storable()
         if saved is not None:
@@ -144,13 +160,14 @@ def run(cfg: TrainConfig) -> RunResult | None:
         saver = Saver(Path(cfg.save.output_dir), cfg.save.save_model_as, save_dtype(cfg.save))
         tracker = Tracker(cfg.log, public_snapshot(cfg))
         params = [p for g in groups for p in g["params"]]
+        readout = Readout()
         updater = Updater(params, optimizer, scheduler, accumulation, plan.gradient_accumulation_steps,
                           cfg.optimizer.max_grad_norm, cfg.precision.max_nan_steps, loss_scale=loss_scale,
                           max_norm=(network, cfg.network.scale_weight_norms) if cfg.network.scale_weight_norms
-                          else None, fused=cfg.optimizer.fused_backward_pass)
+                          else None, fused=cfg.optimizer.fused_backward_pass, readout=readout)
         batch_loss = BatchLoss(model, network, cfg.noise, cfg.loss, policy, device, noise_generator,
                                cfg.model.clip_skip, cfg.model.max_token_length, train_te,
-                               cfg.model.weighted_captions)
+                               cfg.model.weighted_captions, readout=readout, host_generator=host_generator)
         model_setup.compile_unet(model, cfg.precision)
         samples = make_sample_hooks(sample_plan, model, network, policy, device, Path(cfg.save.output_dir),
                                     cfg.save.output_name, tracker, cfg.model.clip_skip)
@@ -163,6 +180,9 @@ def run(cfg: TrainConfig) -> RunResult | None:
                 tracker=tracker, lr_values=optimizer_setup.lr_reporter(optimizer, descriptions, choice),
                 on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet), start=start,
                 validation=validation)
+        except TrainingDiverged as exc:
+            raise TrainingDiverged(f"{exc}; {_last_good(saver, exc.weights_intact)}",
+                                   weights_intact=exc.weights_intact) from None
         finally:
             tracker.close()
             accumulation.remove()

@@ -3,16 +3,21 @@
 Follows sd-scripts' ``NetworkTrainer.process_batch`` for SD1.x/2.x: latents are the VAE sample
 × scaling factor (0.18215), NaN latents become 0 with a warning, the text encoder runs with gradients
 only when its LoRA is trained, the UNet runs under the precision policy's autocast, and the loss is
-computed in fp32 (``library/loss.py``). A batch with ``loss_masks`` (alpha channels or mask images, see
-``library/data/batches.py``) weights the elementwise loss by them, as sd-scripts' ``apply_masked_loss``: the alpha
-mask applies whenever a subset has ``alpha_mask``, mask images only with ``--masked_loss`` (the data stage refuses
-them otherwise).
+computed in fp32 (``library/loss.py``). Nothing here waits for the device: noise, timesteps and the VAE sample come
+from ``generator`` (a CUDA generator on CUDA), ᾱ and the SNR table are put on the device once, batch tensors are
+moved without blocking (``library/readout.to_device``), and the NaN-latents warning is decided at the update's
+host read (``Readout.defer``) instead of by an ``if`` on a device value. Pyramid noise picks its level sizes on the
+host, from ``host_generator`` (the same generator on the CPU).
+
+A batch with ``loss_masks`` (alpha channels or mask images, see ``library/data/batches.py``) weights the elementwise
+loss by them, as sd-scripts' ``apply_masked_loss``: the alpha mask applies whenever a subset has ``alpha_mask``, mask
+images only with ``--masked_loss`` (the data stage refuses them otherwise).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,9 +27,19 @@ from library.loss import training_loss
 from library.model_parts import SDModel
 from library.noise import loss_weight_snr, noisy_latents, sample_noise, sample_timesteps, training_target
 from library.precision import PrecisionPolicy
+from library.readout import Readout, to_device
 from library.text_encoding import apply_token_weights, encode_text, tokenize, tokenize_with_weights
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceSchedule:
+    """The noise schedule's tables on the training device, fp32: ᾱ (after any zero-terminal-SNR rescale) and the SNR
+    table of the loss weights (``noise.loss_weight_snr``)."""
+
+    alphas_cumprod: torch.Tensor
+    all_snr: torch.Tensor
 
 
 @dataclass
@@ -42,25 +57,39 @@ class BatchLoss:
     max_token_length: int | None
     train_text_encoder: bool
     weighted_captions: bool = False
+    readout: Readout = field(default_factory=Readout)
+    host_generator: torch.Generator | None = None
+    schedule: DeviceSchedule = field(init=False)
+
+    def __post_init__(self) -> None:
+        scheduler = self.model.noise_scheduler
+        self.schedule = DeviceSchedule(scheduler.alphas_cumprod.to(self.device, torch.float32),
+                                       loss_weight_snr(scheduler).to(self.device, torch.float32))
 
     def latents(self, batch: dict) -> torch.Tensor:
         """Scaled latents of the batch, from the cache or encoded now with the frozen VAE."""
         vae = self.model.vae
         if "latents" in batch:
-            latents = batch["latents"].to(self.device, torch.float32)
+            latents = to_device(batch["latents"], self.device).float()
         else:
             with torch.no_grad():
-                images = batch["images"].to(self.device, self.policy.vae_dtype)
+                images = to_device(batch["images"], self.device).to(self.policy.vae_dtype)
                 latents = vae.encode(images).latent_dist.sample(generator=self.generator).float()
-        if not torch.isfinite(latents).all():
-            log.warning("NaN/Inf in VAE latents of %s; replaced by 0 (try --no_half_vae)", batch.get("image_paths"))
-            latents = torch.nan_to_num(latents, nan=0.0, posinf=0.0, neginf=0.0)
+        paths = batch.get("image_paths")
+
+        def report(finite: float) -> None:
+            if not finite:
+                log.warning("NaN/Inf in VAE latents of %s; replaced by 0 (try --no_half_vae)", paths)
+
+        self.readout.defer(torch.isfinite(latents).all(), report)
+        latents = torch.nan_to_num(latents, nan=0.0, posinf=0.0, neginf=0.0)
         return latents * vae.config.scaling_factor
 
     def conditioning(self, captions: list[str]) -> torch.Tensor:
         """Encoder states of the captions; with ``--weighted_captions`` scaled by each token's caption weight."""
         if self.weighted_captions:
             ids, weights = tokenize_with_weights(self.model.tokenizer, captions, self.max_token_length)
+            weights = to_device(weights, self.device)
         else:
             ids, weights = tokenize(self.model.tokenizer, captions, self.max_token_length), None
         return self.encode_ids(ids, weights)
@@ -68,7 +97,7 @@ class BatchLoss:
     def encode_ids(self, ids: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Text-encoder states of token ids [B, 77·n] (``tokenize``'s form), scaled per token by ``weights``."""
         with torch.set_grad_enabled(self.train_text_encoder), self.policy.autocast(self.device):
-            states = encode_text(self.model.text_encoder, ids.to(self.device), clip_skip=self.clip_skip,
+            states = encode_text(self.model.text_encoder, to_device(ids, self.device), clip_skip=self.clip_skip,
                                  max_token_length=self.max_token_length, v2=self.model.v2)
             if weights is None:
                 return states
@@ -89,16 +118,15 @@ class BatchLoss:
             self.network.set_multiplier(float(batch["network_multipliers"][0]))
         latents = self.latents(batch)
         hidden = self.text_states(batch)
-        scheduler = self.model.noise_scheduler
-        noise = sample_noise(latents, self.noise, self.generator)
+        schedule = self.schedule
+        noise = sample_noise(latents, self.noise, self.generator, self.host_generator)
         timesteps = sample_timesteps(latents.shape[0], self.noise, self.generator, self.device)
-        noisy = noisy_latents(scheduler, latents, noise, timesteps, self.noise, self.generator)
+        noisy = noisy_latents(schedule, latents, noise, timesteps, self.noise, self.generator)
         with self.policy.autocast(self.device):
             pred = self.model.unet(noisy.to(self.policy.frozen_dtype), timesteps,
                                    hidden.to(self.policy.frozen_dtype)).sample
-        target = training_target(scheduler, latents, noise, timesteps, self.model.v_parameterization)
-        weights = batch["loss_weights"].to(self.device)
-        mask = batch["loss_masks"].to(self.device) if "loss_masks" in batch else None
-        return training_loss(pred.float(), target.float(), timesteps, weights, self.loss,
-                             scheduler.alphas_cumprod.to(self.device), loss_weight_snr(scheduler).to(self.device),
-                             self.model.v_parameterization, mask)
+        target = training_target(schedule, latents, noise, timesteps, self.model.v_parameterization)
+        weights = to_device(batch["loss_weights"], self.device)
+        mask = to_device(batch["loss_masks"], self.device) if "loss_masks" in batch else None
+        return training_loss(pred.float(), target.float(), timesteps, weights, self.loss, schedule.alphas_cumprod,
+                             schedule.all_snr, self.model.v_parameterization, mask)

@@ -1,7 +1,9 @@
 """The training loop: for each batch compute the loss, backward, and on an update step update, log, sample, save.
 
 Everything it needs (precision, accumulation, rounding, saving cadence) is decided before the loop and
-handed in; the loop itself has no feature switches. The arithmetic is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md
+handed in; the loop itself has no feature switches. It reads nothing from the device per micro-batch: the loss
+travels to the updater as a tensor, and the update's one host read (``library/update.py``) returns the numbers the
+progress bar and the trackers show. The arithmetic is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md
 §4.2): an update every ``gradient_accumulation_steps`` micro-batches and at the end of each epoch,
 ``global_step`` counts updates, step saves happen at every multiple of ``--save_every_n_steps`` (the last step
 included), epoch saves after epochs other than the last, then the final save (``library/checkpoint.py``). With a
@@ -35,6 +37,7 @@ class LoopResult:
     last_loss: float
     seconds: float
     seconds_per_step: float
+    skipped_updates: int  # skipped as non-finite (loss or gradient NaN/Inf)
 
 
 def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Updater, plan: StepPlan,
@@ -52,25 +55,24 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
     if samples.at_first:
         samples.sample(pos, 0)
     progress = tqdm(total=plan.max_train_steps, initial=pos.step, desc="steps", smoothing=0, disable=None)
-    began, window_loss, last_loss = time.perf_counter(), 0.0, float("nan")
+    began, last_loss = time.perf_counter(), float("nan")
     while pos.epoch < plan.num_epochs and pos.step < plan.max_train_steps:
         data.set_epoch(pos.epoch + 1, first_batch=pos.batch)
         on_epoch_start(pos.epoch)
         for index, batch in enumerate(_iterate(loader), start=pos.batch):
             data.set_current_step(pos.step, plan.max_train_steps)
-            loss = batch_loss(batch)
-            updater.backward(loss)
-            window_loss += float(loss.detach()) / accum
+            updater.backward(batch_loss(batch))
             pos.batch = index + 1
             if pos.batch % accum != 0 and pos.batch != len(loader):
                 continue
             try:
                 result = updater.update()
-            except TrainingDiverged:
-                saves.final_save(pos)
+            except TrainingDiverged as diverged:
+                if diverged.weights_intact:
+                    saves.final_save(pos)
                 raise
             pos.step += 1
-            last_loss, window_loss = window_loss, 0.0
+            last_loss = result.loss
             average.add(last_loss)
             progress.update(1)
             lrs = lr_values()
@@ -88,6 +90,7 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
             if samples.every_n_steps and pos.step % samples.every_n_steps == 0:
                 samples.sample(pos, None)
             if saves.every_n_steps and pos.step % saves.every_n_steps == 0:
+                updater.check_weights()
                 saves.step_save(pos)
             if pos.step >= plan.max_train_steps:
                 break
@@ -99,14 +102,16 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
             break  # --max_train_steps reached inside the epoch: it stays the current one (a resume continues it)
         pos.epoch, pos.batch = pos.epoch + 1, 0
         if saves.every_n_epochs and pos.epoch % saves.every_n_epochs == 0 and pos.epoch < plan.num_epochs:
+            updater.check_weights()
             saves.epoch_save(pos)
         if samples.every_n_epochs and pos.epoch % samples.every_n_epochs == 0:
             samples.sample(pos, pos.epoch)
     progress.close()
+    updater.check_weights()
     saves.final_save(pos)
     seconds = time.perf_counter() - began
     done = max(1, pos.step - start.step)
-    return LoopResult(pos, last_loss, seconds, seconds / done)
+    return LoopResult(pos, last_loss, seconds, seconds / done, updater.skipped)
 
 
 def _iterate(loader) -> Iterator[dict]:

@@ -5,9 +5,18 @@ accumulation strategy restores ``.grad``), clip to ``--max_grad_norm``, optimize
 ``zero_grad(set_to_none=True)``, then max-norm regularization. Where we do better: a non-finite loss or
 gradient norm skips the update before any weight is written (stochastic rounding could otherwise turn
 some NaNs into finite numbers, OPTIMIZERS.md §3), and ``--max_nan_steps`` such updates in a row stop the
-run with the last good weights intact. Under ``--fused_backward_pass`` each tensor is checked, clipped
-(per tensor, as sd-scripts' fused Adafactor does) and stepped inside backward, so a non-finite gradient
-skips that tensor's step and counts the whole update as non-finite.
+run with the last good weights intact. Weights that become non-finite in an update whose loss and gradient were
+finite (an fp16 weight overflowing, a division by zero in the optimizer) stop the run at once: nothing is saved
+from them (``TrainingDiverged(weights_intact=False)``); the last file written before stays the last good one.
+
+No host sync per micro-batch: the loss, its finite flag and the gradient norm stay on the device, and each update
+reads them once (``library/readout.py``), right before the host decides whether the optimizer steps. The weights
+check of an update is read with the next update's values (or before a save), so it costs no read of its own.
+
+Under ``--fused_backward_pass`` (one micro-batch per update) each tensor is clipped (per tensor, as sd-scripts'
+fused Adafactor does) and stepped inside backward; a tensor whose gradient is non-finite (or all of them, when the
+loss is) gets its weights and optimizer state back on the device right after its step, so no value of that step
+survives, and the update counts as non-finite. Its host-side state (the step counter) is put back at the read.
 """
 
 from __future__ import annotations
@@ -16,11 +25,14 @@ import math
 import re
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from library.accumulation import Accumulation
 from library.errors import TrainingDiverged
+from library.finite import all_finite
+from library.readout import Readout
 
 
 @dataclass
@@ -33,9 +45,9 @@ class DynamicLossScale:
     _good_steps: int = 0
 
     def unscale_(self, params: list[torch.nn.Parameter]) -> None:
-        for p in params:
-            if p.grad is not None:
-                p.grad.div_(self.scale)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, self.scale)
 
     def update(self, finite: bool) -> None:
         if not finite:
@@ -50,8 +62,19 @@ class DynamicLossScale:
 @dataclass
 class UpdateResult:
     applied: bool
+    loss: float  # the window's loss: the sum of its micro-batch losses / --gradient_accumulation_steps
     grad_norm: float
     max_norm_stats: tuple[int, float, float] | None = None
+
+
+@dataclass
+class _FusedStep:
+    """What ``_step_one`` needs to undo a tensor's step at the read: its finite flag and its host-side state."""
+
+    param: torch.nn.Parameter
+    finite: torch.Tensor
+    host_state: dict[str, Any]
+    had_state: bool
 
 
 @dataclass
@@ -68,40 +91,63 @@ class Updater:
     loss_scale: DynamicLossScale | None = None
     max_norm: tuple[object, float] | None = None  # (network, --scale_weight_norms)
     fused: bool = False
-    _loss_finite: bool = True
-    _nan_streak: int = field(default=0)
-    _fused_sq_norm: float = 0.0
-    _fused_finite: bool = True
+    readout: Readout = field(default_factory=Readout)
+    skipped: int = 0  # updates skipped as non-finite, in this run
+    updates: int = 0  # updates finished (applied or skipped), in this run
+    _loss_sum: torch.Tensor | None = None
+    _loss_finite: torch.Tensor | None = None
+    _weights_finite: tuple[torch.Tensor, int] | None = None  # (flag, update number) waiting to be read
+    _nan_streak: int = 0
+    _fused_steps: list[_FusedStep] = field(default_factory=list)
+    _fused_sq_norm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.fused:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._step_one)
 
-    def _step_one(self, param: torch.nn.Parameter) -> None:
-        """``--fused_backward_pass``: clip this tensor (per tensor, as sd-scripts' fused Adafactor does), step it,
-        and free its gradient at once, so that gradients of the whole network never coexist in memory."""
-        if self.loss_scale is not None:
-            param.grad.div_(self.loss_scale.scale)
-        norm = float(param.grad.float().norm())
-        if not math.isfinite(norm):
-            self._fused_finite = False
-        else:
-            self._fused_sq_norm += norm * norm
-            if self.max_grad_norm > 0 and norm > self.max_grad_norm:
-                param.grad.mul_(self.max_grad_norm / (norm + 1e-6))
-            self.optimizer.step_parameter(param)
-        param.grad = None
-
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch; the loss is divided by the accumulation count (sd-scripts/accelerate)."""
-        if not torch.isfinite(loss):
-            self._loss_finite = False
-            return
+        """Backward of one micro-batch; the loss is divided by the accumulation count (sd-scripts/accelerate).
+
+        A non-finite loss is not looked at here (that would be a host sync): its backward makes the gradients
+        non-finite, so the update is skipped all the same."""
+        value = loss.detach().float()
+        finite = torch.isfinite(value)
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         scaled = loss / self.accumulation_steps
         if self.loss_scale is not None:
             scaled = scaled * self.loss_scale.scale
         scaled.backward()
+
+    def _step_one(self, param: torch.nn.Parameter) -> None:
+        """``--fused_backward_pass``: clip this tensor, step it, undo the step on the device when its gradient (or
+        the loss) is non-finite, and free its gradient, so that gradients of the whole network never coexist."""
+        grad = param.grad
+        if self.loss_scale is not None:
+            grad.div_(self.loss_scale.scale)
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        finite = torch.isfinite(norm)
+        if self._loss_finite is not None:
+            finite = finite & self._loss_finite
+        square = torch.where(finite, norm.square(), 0.0)
+        self._fused_sq_norm = square if self._fused_sq_norm is None else self._fused_sq_norm + square
+        if self.max_grad_norm > 0:
+            grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(grad.dtype))
+        state = self.optimizer.state[param]
+        had_state = bool(state)
+        host_state = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+        before = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        weights = param.detach().clone()
+        self.optimizer.step_parameter(param)
+        with torch.no_grad():
+            param.copy_(torch.where(finite, param, weights))
+            for key, value in self.optimizer.state[param].items():
+                if isinstance(value, torch.Tensor):
+                    kept = before.get(key, torch.zeros((), dtype=value.dtype, device=value.device))
+                    value.copy_(torch.where(finite, value, kept))
+        self._fused_steps.append(_FusedStep(param, finite, host_state, had_state))
+        param.grad = None
 
     def update(self) -> UpdateResult:
         """Finish the accumulation window: apply the update if everything is finite, else skip it."""
@@ -112,36 +158,84 @@ class Updater:
             self.loss_scale.unscale_(self.params)
         limit = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
         grads = [p for p in self.params if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(grads, limit)) if grads else 0.0
-        loss_finite, self._loss_finite = self._loss_finite, True
-        finite = loss_finite and math.isfinite(norm)
+        norm = torch.nn.utils.clip_grad_norm_(grads, limit) if grads else torch.zeros(())
+        loss_finite, finite, loss, norm_value, _ = self._read(torch.isfinite(norm), norm)
         if self.loss_scale is not None:
             self.loss_scale.update(finite)
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             self._count_non_finite(loss_finite)
-            return UpdateResult(applied=False, grad_norm=norm)
+            return UpdateResult(applied=False, loss=loss, grad_norm=norm_value)
         self._nan_streak = 0
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return UpdateResult(applied=True, grad_norm=norm, max_norm_stats=self._max_norm())
+        stats = self._max_norm()
+        self._weights_finite = (all_finite(self.params), self.updates)
+        return UpdateResult(applied=True, loss=loss, grad_norm=norm_value, max_norm_stats=stats)
+
+    def _read(self, grad_finite: torch.Tensor, norm: torch.Tensor,
+              extra: torch.Tensor | None = None) -> tuple[bool, bool, float, float, list[float]]:
+        """The update's one host read: loss finite, loss and gradient finite, the window's loss, the gradient norm,
+        and the numbers of ``extra``. Raises ``TrainingDiverged`` first when the weights check waiting to be read
+        (of the previous update; under ``--fused_backward_pass`` of this one) failed."""
+        device = norm.device
+        true = torch.ones((), dtype=torch.bool, device=device)
+        loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=device)
+        loss_finite = self._loss_finite if self._loss_finite is not None else true
+        weights, weights_update = self._weights_finite or (true, self.updates)
+        values = [loss_finite, grad_finite & loss_finite, loss_sum, norm, weights]
+        numbers = self.readout.read(values + ([extra] if extra is not None else []))
+        self._loss_sum = self._loss_finite = self._weights_finite = None
+        if not numbers[4]:
+            raise self._weights_diverged(weights_update)
+        self.updates += 1
+        return bool(numbers[0]), bool(numbers[1]), numbers[2] / self.accumulation_steps, numbers[3], numbers[5:]
+
+    def check_weights(self) -> None:
+        """Before a save: raise ``TrainingDiverged`` when the last update left non-finite weights (one host read)."""
+        if self._weights_finite is not None:
+            (pending, update), self._weights_finite = self._weights_finite, None
+            if not bool(pending):
+                raise self._weights_diverged(update)
+
+    @staticmethod
+    def _weights_diverged(update: int) -> TrainingDiverged:
+        return TrainingDiverged(
+            f"the weights became NaN or Inf in update {update} although its loss and gradient were finite (an fp16 "
+            "weight overflowed, or the optimizer divided by zero); stopping without saving them. Lower the "
+            "learning rate, or use --mixed_precision bf16 instead of fp16", weights_intact=False)
 
     def _finish_fused(self) -> UpdateResult:
-        """The parameters were stepped inside backward; only the schedule, the checks and the statistics remain."""
-        finite = self._loss_finite and self._fused_finite
-        loss_finite, self._loss_finite, self._fused_finite = self._loss_finite, True, True
-        norm, self._fused_sq_norm = math.sqrt(self._fused_sq_norm), 0.0
+        """The parameters were stepped inside backward; the read, the undo, the schedule and statistics remain."""
+        steps, self._fused_steps = self._fused_steps, []
+        sq_norm, self._fused_sq_norm = self._fused_sq_norm, None
+        device = self.params[0].device
+        flags = torch.stack([s.finite for s in steps]) if steps else torch.ones(0, dtype=torch.bool, device=device)
+        self._weights_finite = (all_finite(self.params), self.updates + 1)
+        norm = (sq_norm if sq_norm is not None else torch.zeros((), device=device)).sqrt()
+        loss_finite, finite, loss, norm_value, tensor_finite = self._read(flags.all(), norm, flags)
+        self._undo_host_state(steps, tensor_finite)
         if self.loss_scale is not None:
             self.loss_scale.update(finite)
         if not finite:
             self._count_non_finite(loss_finite)
-            return UpdateResult(applied=False, grad_norm=norm)
+            return UpdateResult(applied=False, loss=loss, grad_norm=norm_value)
         self._nan_streak = 0
         with warnings.catch_warnings():  # torch cannot see step_parameter calls and warns about the order
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
-        return UpdateResult(applied=True, grad_norm=norm, max_norm_stats=self._max_norm())
+        return UpdateResult(applied=True, loss=loss, grad_norm=norm_value, max_norm_stats=self._max_norm())
+
+    def _undo_host_state(self, steps: list[_FusedStep], finite: list[float]) -> None:
+        """Put back the host-side optimizer state of the tensors whose step was undone on the device."""
+        for step, ok in zip(steps, finite, strict=True):
+            if ok:
+                continue
+            if step.had_state:
+                self.optimizer.state[step.param].update(step.host_state)
+            else:
+                self.optimizer.state.pop(step.param, None)
 
     def _max_norm(self) -> tuple[int, float, float] | None:
         if self.max_norm is None:
@@ -151,6 +245,7 @@ class Updater:
 
     def _count_non_finite(self, loss_finite: bool) -> None:
         # With loss scaling an overflowing gradient is expected now and then: the scale shrinks instead.
+        self.skipped += 1
         scaling_overflow = self.loss_scale is not None and loss_finite
         self._nan_streak = 0 if scaling_overflow else self._nan_streak + 1
         if self._nan_streak >= self.max_nan_steps:

@@ -51,7 +51,8 @@ class DataConfig:
                                                            parse=parse_float_pair)
     prior_loss_weight: float = flag(1.0, "loss weight of regularization images")
     max_data_loader_n_workers: int = flag(8, "data loader worker processes (capped at the CPU count)")
-    persistent_data_loader_workers: bool = flag(False, "keep data loader workers alive between epochs")
+    persistent_data_loader_workers: bool = flag(False, "keep data loader workers alive between epochs; accepted for "
+                                                "compatibility: they always stay alive here (with workers > 0)")
     skip_broken_images: bool = flag(False, "skip images that fail to decode (default: stop and name the file)")
     cache_latents: bool = flag(False, "encode every image with the VAE once and keep the latents in RAM")
     cache_latents_to_disk: bool = flag(False, "cache latents in <image>_<W>x<H>_sd.npz (implies --cache_latents)")

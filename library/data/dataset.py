@@ -85,13 +85,18 @@ class TrainData:
         self.progress.step = step
         self.progress.max_train_steps = max_train_steps
 
-    def dataloader(self, num_workers: int | None = None) -> DataLoader:
-        """A DataLoader yielding one batch dict per item; ``len`` is the batches per epoch."""
+    def dataloader(self, num_workers: int | None = None, pin_memory: bool | None = None) -> DataLoader:
+        """A DataLoader yielding one batch dict per item; ``len`` is the batches per epoch.
+
+        Workers stay alive between epochs (sd-scripts' ``--persistent_data_loader_workers``, always on here: the
+        sampler hands each worker the epoch and step with every batch key, so nothing goes stale). Batches come in
+        pinned memory when CUDA is available (``pin_memory`` default), so they reach the GPU without blocking."""
         if num_workers is None:
             num_workers = min(self.data.max_data_loader_n_workers, os.cpu_count() or 1)
         return DataLoader(
             self.source, batch_size=None, sampler=EpochSampler(self.progress, len(self.source)),
-            num_workers=num_workers, persistent_workers=self.data.persistent_data_loader_workers and num_workers > 0,
+            num_workers=num_workers, persistent_workers=num_workers > 0,
+            pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
         )
 
     def fixed_batches(self, count: int, step: int) -> Iterator[dict]:
@@ -246,6 +251,9 @@ def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | Non
     family (``v2``). The trainer's own datasets return captions as text, tokenized by the trainer, so these two do
     not change them.
     """
+    if data.persistent_data_loader_workers:
+        logger.info("--persistent_data_loader_workers: data loader workers stay alive between epochs by default "
+                    "here; the flag changes nothing")
     if data.dataset_class:
         from library.data.custom import build_custom_data
 

@@ -1,0 +1,48 @@
+"""The one device-to-host read of an update, and host-to-device moves that do not wait.
+
+On a GPU every read of a device value (``float(t)``, ``bool(t)``, ``.item()``, ``.tolist()``) stalls Python until
+the device has caught up. The loop therefore keeps the values of a training step on the device (loss, gradient
+norm, finite flags, bad-latent flags) and reads all of them at once where the host must decide something: whether
+the optimizer may step. Code that wants to report a device value registers it with ``Readout.defer`` and is called
+back with its number at that read.
+
+A host-to-device move of pageable memory is a sync too (CUDA copies it through a staging buffer and waits);
+``to_device`` copies from pinned memory without blocking (batches come pinned from the DataLoader on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class Readout:
+    """Device scalars gathered during an update and read with one ``tolist``."""
+
+    def __init__(self) -> None:
+        self._deferred: list[tuple[torch.Tensor, Callable[[float], None]]] = []
+
+    def defer(self, value: torch.Tensor, then: Callable[[float], None]) -> None:
+        """Call ``then(float(value))`` at the next ``read``."""
+        self._deferred.append((value, then))
+
+    def read(self, values: Sequence[torch.Tensor]) -> list[float]:
+        """The numbers of ``values`` (0-d or 1-d tensors, concatenated in order); runs the deferred callbacks."""
+        deferred, self._deferred = self._deferred, []
+        parts = [v.detach().reshape(-1).double() for v in (*values, *(d for d, _ in deferred))]
+        if not parts:
+            return []
+        numbers = torch.cat([p.to(parts[0].device) for p in parts]).tolist()
+        for (_, then), number in zip(deferred, numbers[len(numbers) - len(deferred):], strict=True):
+            then(number)
+        return numbers[:len(numbers) - len(deferred)]
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; a CPU tensor goes to CUDA from pinned memory without blocking the host."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
+    return tensor.to(device)
