@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     loop = result.loop
     print(f"saved {result.lora_path}: {loop.position.step} steps, {loop.position.epoch} epochs, "
-          f"final loss {loop.last_loss:.4f}, {loop.skipped_updates} updates skipped as non-finite, "
+          f"final loss {loop.last_loss:.4f}, {loop.skipped_updates} update{'' if loop.skipped_updates == 1 else 's'} "
+          "skipped as non-finite, "
           f"{loop.seconds:.1f} s ({loop.seconds_per_step:.3f} s/step)")
     return 0
 

@@ -62,13 +62,14 @@ def _stream_seed(seed: int, stream: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{stream}".encode()).digest()[:8], "little") >> 1
 
 
-def _last_good(saver: Saver, weights_intact: bool) -> str:
+def _last_good(saver: Saver, final: Path, weights_intact: bool) -> str:
     """Where the last good weights are, for the divergence message."""
     if saver.last_lora is not None and weights_intact:
         return f"the last good weights are saved in {saver.last_lora}"
     if saver.last_lora is not None:
         return f"the last good LoRA is {saver.last_lora}, left as it was"
-    return "no LoRA file was written by this run (--save_every_n_steps keeps earlier ones)"
+    before = f"; {final} from before this run is left as it was" if final.exists() else ""
+    return f"no LoRA file was written by this run (--save_every_n_steps keeps earlier ones){before}"
 
 
 def run(cfg: TrainConfig) -> RunResult | None:
@@ -181,7 +182,7 @@ def run(cfg: TrainConfig) -> RunResult | None:
                 on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet), start=start,
                 validation=validation)
         except TrainingDiverged as exc:
-            raise TrainingDiverged(f"{exc}; {_last_good(saver, exc.weights_intact)}",
+            raise TrainingDiverged(f"{exc}; {_last_good(saver, saver.lora_path(names.last), exc.weights_intact)}",
                                    weights_intact=exc.weights_intact) from None
         finally:
             tracker.close()
