@@ -56,8 +56,9 @@ def test_divergence_leaves_the_previous_files_byte_identical(tmp_path, monkeypat
 
     monkeypatch.setattr(Saver, "save_lora", recording)
     code = train_network.main(train_args(
-        tmp_path, *FP16_OVERFLOW, "--optimizer_type", "StochasticAdamW", "--lr_scheduler", "piecewise_constant", "--lr_scheduler_args",
-        "step_rules='1e-8:2,1'", "--save_every_n_steps", "1", "--save_last_n_steps", "1", "--max_train_steps", "6"))
+        tmp_path, *FP16_OVERFLOW, "--optimizer_type", "StochasticAdamW", "--lr_scheduler", "piecewise_constant",
+        "--lr_scheduler_args", "step_rules='1e-8:2,1'", "--save_every_n_steps", "1", "--save_last_n_steps", "1",
+        "--max_train_steps", "6"))
     assert code == 3
     last = tmp_path / "lora-step00000002.safetensors"
     assert list(written) == [tmp_path / "lora-step00000001.safetensors", last]

@@ -1,9 +1,13 @@
-"""Save names, cadence and pruning against sd-scripts' train_util formulas, worked by hand."""
+"""Save names, cadence and pruning against sd-scripts' train_util formulas, worked by hand; the finite check."""
 
 from __future__ import annotations
 
-from library.checkpoint import OutputNames, epoch_interval, epoch_to_remove, step_to_remove
+import pytest
+import torch
+
+from library.checkpoint import OutputNames, Saver, epoch_interval, epoch_to_remove, step_to_remove
 from library.config import SaveConfig
+from library.errors import TrainingDiverged
 
 
 def test_names_with_and_without_output_name():
@@ -36,3 +40,26 @@ def test_step_pruning_keeps_the_saves_of_the_last_n_steps():
     assert step_to_remove(5, 1, 2) == 2
     # every 3, keep 4: r = 12 - 4 - 1 = 7 -> 7 - 7 % 3 = 6.
     assert step_to_remove(12, 3, 4) == 6
+
+
+class _Network(torch.nn.Module):
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((2,), value))
+
+    def save_weights(self, file, dtype, metadata) -> None:
+        torch.save({k: v.to(dtype or v.dtype) for k, v in self.state_dict().items()}, file)
+
+
+def test_a_save_that_would_hold_inf_is_refused_before_writing(tmp_path):
+    """fp32 weights of 1e5 are finite, but Inf in an fp16 file (fp16's largest value is 65504)."""
+    saver = Saver(tmp_path, "pt", torch.float16)
+    with pytest.raises(TrainingDiverged, match=r"not writing .*lora.pt: 1 of 1 tensors hold NaN or Inf \(e.g. w\) "
+                                               r"in float16 \(--save_precision\)") as refused:
+        saver.check(_Network(1e5), "lora", None)
+    assert not refused.value.weights_intact
+    Saver(tmp_path, "pt", torch.bfloat16).check(_Network(1e5), "lora", None)
+    state = ({"optimizer": {"state": {0: {"exp_avg_sq": torch.tensor([float("inf")])}}}}, {})
+    with pytest.raises(TrainingDiverged, match="lora-state: 1 of 1 tensors"):
+        Saver(tmp_path, "pt", None).check(_Network(1.0), "lora", state)
+    assert list(tmp_path.iterdir()) == []

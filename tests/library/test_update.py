@@ -166,3 +166,59 @@ def test_fp16_weights_train_with_loss_scaling():
     u.backward(nn.functional.mse_loss(model(x.half()).float(), y))
     assert u.update().applied
     assert not torch.equal(model.weight, before) and torch.isfinite(model.weight).all()
+
+
+def test_weights_that_become_non_finite_stop_the_run_at_the_next_read():
+    """A finite loss and gradient, but an update that overflows the weights (SGD with lr 1e38 on fp32)."""
+    model = _fresh_model()
+    u = _updater(model, 1, optimizer=torch.optim.SGD(model.parameters(), lr=1e38))
+    x, y = _data()
+    u.backward(nn.functional.mse_loss(model(x), y) * 1e3)
+    assert u.update().applied
+    assert not torch.isfinite(model.weight).all()
+    with pytest.raises(TrainingDiverged, match="update 1") as stopped:
+        u.check_weights()
+    assert not stopped.value.weights_intact
+
+
+def test_without_a_save_the_next_update_reads_the_weights_check():
+    model = _fresh_model()
+    u = _updater(model, 1, optimizer=torch.optim.SGD(model.parameters(), lr=1e38), max_nan_steps=100)
+    x, y = _data()
+    u.backward(nn.functional.mse_loss(model(x), y) * 1e3)
+    assert u.update().applied
+    u.backward(nn.functional.mse_loss(model(x), y))
+    with pytest.raises(TrainingDiverged, match="became NaN or Inf in update 1") as stopped:
+        u.update()  # its own loss is non-finite too, but the weights check of update 1 speaks first
+    assert not stopped.value.weights_intact and u.skipped == 0
+
+
+def test_fused_backward_undoes_the_step_of_a_tensor_with_a_non_finite_gradient():
+    x, y = _data()
+    model = _fresh_model()
+    opt = StochasticAdamW(model.parameters(), lr=1e-2)
+    u = _updater(model, 1, optimizer=opt, fused=True)
+    u.backward(nn.functional.mse_loss(model(x), y))
+    assert u.update().applied
+    weight, bias = model.weight.detach().clone(), model.bias.detach().clone()
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[model.weight].items()}
+    handle = model.weight.register_hook(lambda grad: grad * float("nan"))
+    u.backward(nn.functional.mse_loss(model(x), y))
+    result = u.update()
+    handle.remove()
+    assert not result.applied and u.skipped == 1
+    assert torch.equal(model.weight, weight) and not torch.equal(model.bias, bias)  # only the NaN tensor is undone
+    for key, value in opt.state[model.weight].items():
+        assert torch.equal(value, state[key]) if isinstance(value, torch.Tensor) else value == state[key], key
+
+
+def test_fused_backward_with_a_nan_loss_leaves_no_optimizer_state_behind():
+    x, y = _data()
+    model = _fresh_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = StochasticAdamW(model.parameters(), lr=1e-2)
+    u = _updater(model, 1, optimizer=opt, fused=True)
+    u.backward(nn.functional.mse_loss(model(x), y) * float("nan"))
+    assert not u.update().applied
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert not any(opt.state[p] for p in model.parameters())  # the first step is undone entirely
