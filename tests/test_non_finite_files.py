@@ -120,3 +120,10 @@ def test_a_state_with_nan_weights_is_refused(nan_lora, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--resume {bad}: state.safetensors" in err and "hold NaN or Inf" in err
     assert not out.exists()
+
+
+def test_nan_base_weights_are_refused(nan_lora, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert train_network.main(train_args(out, "--base_weights", str(nan_lora / "nan.safetensors"))) == 2
+    err = capsys.readouterr().err
+    assert f"--base_weights {nan_lora / 'nan.safetensors'}: 1 of 792 tensors hold NaN or Inf" in err
