@@ -9,8 +9,8 @@ run with the last good weights intact. Weights that become non-finite in an upda
 finite (an fp16 weight overflowing, a division by zero in the optimizer) stop the run at once: nothing is saved
 from them (``TrainingDiverged(weights_intact=False)``); the last file written before stays the last good one.
 Chosen over keeping a copy of the last good weights: the copy would cost one more LoRA in device memory (SD1.5
-rank 16, U-Net and text encoder: 9.4 M parameters, 36 MiB in fp32, 18 MiB in bf16; SDXL at rank 128 about 30 times
-that) and a copy per update, yet without the optimizer state, which overflows with the weights, the run could not
+rank 16, U-Net and text encoder: 9.4 M parameters, 36 MiB in fp32, 18 MiB in bf16; it grows with the rank) and a
+copy per update, yet without the optimizer state, which overflows with the weights, the run could not
 go on from it; the files saved before already hold good weights.
 
 No host sync per micro-batch: the loss, its finite flag and the gradient norm stay on the device, and each update
