@@ -21,22 +21,24 @@ class Readout:
     """Device scalars gathered during an update and read with one ``tolist``."""
 
     def __init__(self) -> None:
-        self._deferred: list[tuple[torch.Tensor, Callable[[float], None]]] = []
+        self._deferred: list[tuple[torch.Tensor, Callable[[list[float]], None]]] = []
 
-    def defer(self, value: torch.Tensor, then: Callable[[float], None]) -> None:
-        """Call ``then(float(value))`` at the next ``read``."""
-        self._deferred.append((value, then))
+    def defer(self, value: torch.Tensor, then: Callable[[list[float]], None]) -> None:
+        """Call ``then(value.tolist())`` (as a flat list) at the next ``read``."""
+        self._deferred.append((value.detach().reshape(-1), then))
 
     def read(self, values: Sequence[torch.Tensor]) -> list[float]:
         """The numbers of ``values`` (0-d or 1-d tensors, concatenated in order); runs the deferred callbacks."""
         deferred, self._deferred = self._deferred, []
-        parts = [v.detach().reshape(-1).double() for v in (*values, *(d for d, _ in deferred))]
+        parts = [v.detach().reshape(-1).double() for v in values] + [d.double() for d, _ in deferred]
         if not parts:
             return []
         numbers = torch.cat([p.to(parts[0].device) for p in parts]).tolist()
-        for (_, then), number in zip(deferred, numbers[len(numbers) - len(deferred):], strict=True):
-            then(number)
-        return numbers[:len(numbers) - len(deferred)]
+        start = sum(p.numel() for p in parts[:len(values)])
+        for value, then in deferred:
+            then(numbers[start:start + value.numel()])
+            start += value.numel()
+        return numbers[:sum(p.numel() for p in parts[:len(values)])]
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -165,7 +165,7 @@ def run(cfg: TrainConfig) -> RunResult | None:
         updater = Updater(params, optimizer, scheduler, accumulation, plan.gradient_accumulation_steps,
                           cfg.optimizer.max_grad_norm, cfg.precision.max_nan_steps, loss_scale=loss_scale,
                           max_norm=(network, cfg.network.scale_weight_norms) if cfg.network.scale_weight_norms
-                          else None, fused=cfg.optimizer.fused_backward_pass, readout=readout)
+                          else None, fused=cfg.optimizer.fused_backward_pass, readout=readout, updates=start.step)
         batch_loss = BatchLoss(model, network, cfg.noise, cfg.loss, policy, device, noise_generator,
                                cfg.model.clip_skip, cfg.model.max_token_length, train_te,
                                cfg.model.weighted_captions, readout=readout, host_generator=host_generator)

@@ -77,8 +77,8 @@ class BatchLoss:
                 latents = vae.encode(images).latent_dist.sample(generator=self.generator).float()
         paths = batch.get("image_paths")
 
-        def report(finite: float) -> None:
-            if not finite:
+        def report(finite: list[float]) -> None:
+            if not finite[0]:
                 log.warning("NaN/Inf in VAE latents of %s; replaced by 0 (try --no_half_vae)", paths)
 
         self.readout.defer(torch.isfinite(latents).all(), report)

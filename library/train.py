@@ -82,12 +82,10 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
                 scalars.update(validation.at_step(pos, average.moving_average))
             progress.set_postfix(progress_fields(pos.epoch + 1, plan.num_epochs, average.moving_average, lrs,
                                                  validation.last_loss if validation is not None else None))
-            if result.max_norm_stats is not None:
-                keys, mean, maximum = result.max_norm_stats
-                scalars.update({"max_norm/keys_scaled": keys, "max_norm/average_key_norm": mean,
-                                "max_norm/max_key_norm": maximum})
+            _log_max_norm(updater, tracker)
             tracker.log(scalars, pos.step)
             if samples.every_n_steps and pos.step % samples.every_n_steps == 0:
+                updater.check_weights()
                 samples.sample(pos, None)
             if saves.every_n_steps and pos.step % saves.every_n_steps == 0:
                 updater.check_weights()
@@ -98,6 +96,7 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
         tracker.log({"loss/epoch_average": average.end_epoch(), **epoch_scalars}, pos.epoch + 1)
         if pos.batch < len(loader):
             if samples.every_n_epochs and (pos.epoch + 1) % samples.every_n_epochs == 0:
+                updater.check_weights()
                 samples.sample(pos, pos.epoch + 1)  # sd-scripts samples after an epoch cut short, too
             break  # --max_train_steps reached inside the epoch: it stays the current one (a resume continues it)
         pos.epoch, pos.batch = pos.epoch + 1, 0
@@ -105,13 +104,24 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
             updater.check_weights()
             saves.epoch_save(pos)
         if samples.every_n_epochs and pos.epoch % samples.every_n_epochs == 0:
+            updater.check_weights()
             samples.sample(pos, pos.epoch)
     progress.close()
     updater.check_weights()
+    _log_max_norm(updater, tracker)
     saves.final_save(pos)
     seconds = time.perf_counter() - began
     done = max(1, pos.step - start.step)
     return LoopResult(pos, last_loss, seconds, seconds / done, updater.skipped)
+
+
+def _log_max_norm(updater: Updater, tracker: Tracker) -> None:
+    """The ``--scale_weight_norms`` statistics read since the last call, each at the step of its update (they are
+    read one update late: see ``library/update.py``)."""
+    for step, (keys, mean, maximum) in updater.max_norm_log:
+        tracker.log({"max_norm/keys_scaled": keys, "max_norm/average_key_norm": mean,
+                     "max_norm/max_key_norm": maximum}, step)
+    updater.max_norm_log.clear()
 
 
 def _iterate(loader) -> Iterator[dict]:

@@ -15,7 +15,8 @@ go on from it; the files saved before already hold good weights.
 
 No host sync per micro-batch: the loss, its finite flag and the gradient norm stay on the device, and each update
 reads them once (``library/readout.py``), right before the host decides whether the optimizer steps. The weights
-check of an update is read with the next update's values (or before a save), so it costs no read of its own.
+check and the ``--scale_weight_norms`` statistics of an update are read with the next update's values (or before a
+save, and at the end), so they cost no read of their own.
 
 Under ``--fused_backward_pass`` (one micro-batch per update) each tensor is clipped (per tensor, as sd-scripts'
 fused Adafactor does) and stepped inside backward; a tensor whose gradient is non-finite (or all of them, when the
@@ -68,7 +69,6 @@ class UpdateResult:
     applied: bool
     loss: float  # the window's loss: the sum of its micro-batch losses / --gradient_accumulation_steps
     grad_norm: float
-    max_norm_stats: tuple[int, float, float] | None = None
 
 
 @dataclass
@@ -97,7 +97,8 @@ class Updater:
     fused: bool = False
     readout: Readout = field(default_factory=Readout)
     skipped: int = 0  # updates skipped as non-finite, in this run
-    updates: int = 0  # updates finished (applied or skipped), in this run
+    updates: int = 0  # the global step: updates finished, applied or skipped (a resumed run starts at its step)
+    max_norm_log: list[tuple[int, tuple[int, float, float]]] = field(default_factory=list)  # read, not logged yet
     _loss_sum: torch.Tensor | None = None
     _loss_finite: torch.Tensor | None = None
     _weights_finite: tuple[torch.Tensor, int] | None = None  # (flag, update number) waiting to be read
@@ -174,9 +175,9 @@ class Updater:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = self._max_norm()
+        self._max_norm()
         self._weights_finite = (all_finite(self.params), self.updates)
-        return UpdateResult(applied=True, loss=loss, grad_norm=norm_value, max_norm_stats=stats)
+        return UpdateResult(applied=True, loss=loss, grad_norm=norm_value)
 
     def _read(self, grad_finite: torch.Tensor, norm: torch.Tensor,
               extra: torch.Tensor | None = None) -> tuple[bool, bool, float, float, list[float]]:
@@ -197,10 +198,11 @@ class Updater:
         return bool(numbers[0]), bool(numbers[1]), numbers[2] / self.accumulation_steps, numbers[3], numbers[5:]
 
     def check_weights(self) -> None:
-        """Before a save: raise ``TrainingDiverged`` when the last update left non-finite weights (one host read)."""
+        """Before a save and at the end: read what the last update left (one host read); raise ``TrainingDiverged``
+        when its weights are non-finite."""
         if self._weights_finite is not None:
             (pending, update), self._weights_finite = self._weights_finite, None
-            if not bool(pending):
+            if not self.readout.read([pending])[0]:
                 raise self._weights_diverged(update)
 
     @staticmethod
@@ -229,7 +231,8 @@ class Updater:
         with warnings.catch_warnings():  # torch cannot see step_parameter calls and warns about the order
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
-        return UpdateResult(applied=True, loss=loss, grad_norm=norm_value, max_norm_stats=self._max_norm())
+        self._max_norm()
+        return UpdateResult(applied=True, loss=loss, grad_norm=norm_value)
 
     def _undo_host_state(self, steps: list[_FusedStep], finite: list[float]) -> None:
         """Put back the host-side optimizer state of the tensors whose step was undone on the device."""
@@ -241,11 +244,17 @@ class Updater:
             else:
                 self.optimizer.state.pop(step.param, None)
 
-    def _max_norm(self) -> tuple[int, float, float] | None:
+    def _max_norm(self) -> None:
+        """``--scale_weight_norms`` after the step; its statistics (keys scaled, mean and max norm) are read with the
+        next read and land in ``max_norm_log`` as (update, statistics)."""
         if self.max_norm is None:
-            return None
+            return
         network, value = self.max_norm
-        return network.apply_max_norm_regularization(value, self.params[0].device)
+        device = self.params[0].device
+        stats = network.apply_max_norm_regularization(value, device)
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device) for v in stats])
+        self.readout.defer(values, lambda numbers, update=self.updates: self.max_norm_log.append(
+            (update, (int(numbers[0]), numbers[1], numbers[2]))))
 
     def _count_non_finite(self, loss_finite: bool) -> None:
         # With loss scaling an overflowing gradient is expected now and then: the scale shrinks instead.

@@ -216,27 +216,29 @@ class LoRANetwork(nn.Module):
 
     def apply_max_norm_regularization(
         self, max_norm_value: float, device: torch.device | str
-    ) -> tuple[int, float, float]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """sd-scripts §9.6: W = up·down·alpha/rank; norm = max(|W|, max/2); if min(norm, max)/norm != 1, up and down
-        are each scaled by its square root. Returns (keys scaled, mean norm after, max norm after)."""
-        keys_scaled = 0
-        norms = []
+        are each scaled by its square root. Returns (keys scaled, mean norm after, max norm after) as 0-d tensors on
+        ``device``: nothing is read on the host (every pair is multiplied, by exactly 1 where no scaling is needed;
+        sd-scripts reads each ratio to decide and returns numbers)."""
+        scaled, norms = [], []
         for lora in self.loras:
             up, down = lora.lora_up.weight, lora.lora_down.weight
             scale = lora.alpha.to(device, torch.float32) / down.shape[0]
             updown = lora_product(up.detach().to(device, torch.float32), down.detach().to(device, torch.float32))
             updown = updown * scale
             norm = updown.norm().clamp(min=max_norm_value / 2)
-            ratio = (norm.clamp(max=max_norm_value) / norm).cpu()
-            if ratio != 1:
-                keys_scaled += 1
-                with torch.no_grad():
-                    up.mul_(ratio.sqrt().to(up.device, up.dtype))
-                    down.mul_(ratio.sqrt().to(down.device, down.dtype))
-            norms.append(float(updown.norm().cpu() * ratio))
+            ratio = norm.clamp(max=max_norm_value) / norm
+            with torch.no_grad():
+                up.mul_(ratio.sqrt().to(up.device, up.dtype))
+                down.mul_(ratio.sqrt().to(down.device, down.dtype))
+            scaled.append(ratio != 1)
+            norms.append(updown.norm() * ratio)
         if not norms:
-            return 0, 0.0, 0.0
-        return keys_scaled, sum(norms) / len(norms), max(norms)
+            zero = torch.zeros((), device=device)
+            return zero, zero, zero
+        after = torch.stack(norms)
+        return torch.stack(scaled).sum(), after.mean(), after.max()
 
     def load_weights(self, file: str | os.PathLike[str]) -> Any:
         """Non-strict load (``--network_weights``); returns torch's missing/unexpected keys info."""

@@ -71,18 +71,27 @@ def count_syncs(monkeypatch, out: Path, *extra: str) -> tuple[list[list[str]], l
 
 
 @pytest.mark.parametrize("flags", [
-    ("--gradient_accumulation_steps", "2", "--logging_dir", "LOGS"),
+    ("--gradient_accumulation_steps", "2", "--logging_dir", "LOGS", "--scale_weight_norms", "0.01"),
     ("--mixed_precision", "bf16", "--full_bf16", "--optimizer_type", "StochasticAdamW",
      "--gradient_accumulation_steps", "2", "--cache_latents", "--max_grad_norm", "1"),
     ("--optimizer_type", "StochasticAdamW", "--fused_backward_pass", "--noise_offset", "0.1",
      "--noise_offset_random_strength", "--ip_noise_gamma", "0.1", "--ip_noise_gamma_random_strength"),
-], ids=["accumulation_and_tensorboard", "full_bf16_cached_latents", "fused_random_strengths"])
+], ids=["accumulation_tensorboard_max_norm", "full_bf16_cached_latents", "fused_random_strengths"])
 def test_no_sync_per_micro_batch_and_at_most_one_per_update(tmp_path, monkeypatch, flags):
-    flags = tuple(str(tmp_path / "logs") if f == "LOGS" else f for f in flags)
-    micro, windows = count_syncs(monkeypatch, tmp_path / "out", *flags)
+    micro, windows = count_syncs(monkeypatch, tmp_path / "out",
+                                 *(str(tmp_path / "logs") if f == "LOGS" else f for f in flags))
     assert len(windows) == 3 and len(micro) == (6 if "--gradient_accumulation_steps" in flags else 3)
     assert all(found == [] for found in micro), micro
     assert all(len(found) <= 1 for found in windows), windows
+    if "LOGS" in flags:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(next((tmp_path / "logs").iterdir())))
+        events.Reload()
+        scaled = events.Scalars("max_norm/keys_scaled")  # read one update late, logged at their own steps
+        assert [e.step for e in scaled] == [1, 2, 3] and all(0 <= e.value <= 264 for e in scaled)
+        assert scaled[-1].value > 0  # lora_up starts at 0, so the first updates may scale none
+        assert [e.step for e in events.Scalars("loss/current")] == [1, 2, 3]
 
 
 def test_the_counter_sees_the_syncs_of_the_old_loop(tmp_path, monkeypatch):

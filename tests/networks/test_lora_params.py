@@ -117,7 +117,7 @@ def test_max_norm(tiny):
     before = [full_weight(m).norm().item() for m in net.loras]
     max_norm = sorted(before)[len(before) // 2]
     ups = [m.lora_up.weight.clone() for m in net.loras]
-    scaled, mean_norm, top = net.apply_max_norm_regularization(max_norm, "cpu")
+    scaled, mean_norm, top = (float(v) for v in net.apply_max_norm_regularization(max_norm, "cpu"))
     assert scaled == sum(n > max_norm for n in before)
     after = [full_weight(m).norm().item() for m in net.loras]
     assert after == pytest.approx([min(n, max_norm) for n in before], rel=1e-5)
