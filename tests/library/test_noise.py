@@ -117,6 +117,18 @@ def test_pyramid_second_level_is_a_bilinear_upsample_weighted_by_the_discount():
     np.testing.assert_allclose(out.double().numpy(), total / np.std(total, ddof=1), atol=1e-5)
 
 
+def test_pyramid_sizes_come_from_the_host_generator_when_given():
+    """The trainer's CUDA layout: randn from the (device) generator, the scale factors from a CPU one."""
+    shape = (1, 2, 16, 16)
+    out = pyramid_noise(torch.zeros(shape), iterations=2, discount=0.3, generator=gen(17), host_generator=gen(5))
+    draws, ratios = gen(17), gen(5)
+    uniform(ratios)
+    total = torch.randn(shape, generator=draws).double().numpy()
+    side = int(16 / (uniform(ratios) * 2 + 2))
+    total = total + bilinear_half_pixel(torch.randn(1, 2, side, side, generator=draws).double().numpy(), 16, 16) * 0.3
+    np.testing.assert_allclose(out.double().numpy(), total / np.std(total, ddof=1), atol=1e-5)
+
+
 def record_randn_shapes(monkeypatch) -> list[tuple[int, ...]]:
     shapes: list[tuple[int, ...]] = []
     real = torch.randn

@@ -238,3 +238,27 @@ def test_flip_aug_mirrors_some_images(tmp_path):
     data = build_train_data(cli(tmp_path, flip_aug=True), seed=0)
     corners = [float(b["images"][0, 1, 0, 0]) for b in data.dataloader(0)]  # green marker at (0, 0) or mirrored
     assert 0 < corners.count(1.0) < 20
+
+
+def test_persistent_workers_follow_the_epoch_and_step(tmp_path, make_folder, caplog):
+    """Workers stay alive between epochs (always here), yet each epoch's batches are those of a fresh process:
+    the sampler hands the epoch and the token warm-up step to the workers with every batch key."""
+    make_folder("train/2_cat", 3, captions={0: "a, b, c", 1: "d, e, f", 2: "g, h"})
+    config = cli(tmp_path, shuffle_caption=True, flip_aug=True, caption_dropout_every_n_epochs=2,
+                 token_warmup_step=4, persistent_data_loader_workers=True)
+    caplog.set_level("INFO")
+    data = build_train_data(config, seed=3)
+    assert "--persistent_data_loader_workers" in caplog.text and "by default" in caplog.text
+    persistent, single = data.dataloader(2), data.dataloader(0)
+    assert persistent.persistent_workers and not single.persistent_workers
+    assert persistent.pin_memory == torch.cuda.is_available()
+    seen = {}
+    for name, loader in (("persistent", persistent), ("single", single)):
+        seen[name] = []
+        for epoch in (1, 2, 3):
+            data.set_epoch(epoch)
+            data.set_current_step(epoch, 6)
+            seen[name] += [(b["captions"], b["images"]) for b in loader]
+    assert [c for c, _ in seen["persistent"]] == [c for c, _ in seen["single"]]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(seen["persistent"], seen["single"], strict=True))
+    assert any(c == [""] * len(c) for c, _ in seen["single"])  # epoch 2 dropped the captions
