@@ -15,7 +15,8 @@ A state is a folder (``library/state_file.py``: safetensors and JSON, no pickle)
 atomically (``library/files.py``), so an interruption leaves the previous save intact.
 
 No file the trainer writes holds a NaN or an infinity: before anything of a save is written, the LoRA tensors (cast
-to ``--save_precision``, which can overflow fp16) and every floating tensor of the state are checked with one
+to ``--save_precision`` as ``networks.lora.cast_for_saving`` writes them: a weight can overflow fp16) and every
+floating tensor of the state are checked with one
 multi-tensor reduction (``library/finite.py``); a non-finite one stops the run with ``TrainingDiverged`` (exit 3)
 and leaves every earlier file as it was. ``Saver.last_lora`` names the newest LoRA file written, for that message.
 
@@ -44,6 +45,7 @@ from library.fs_checks import ensure_free_space, ensure_room_for_save, nested_te
 from library.metadata import Metadata
 from library.position import Position, SaveHooks
 from library.state_file import write_state
+from networks.lora import cast_for_saving
 
 SAVE_FORMATS = ("safetensors", "ckpt", "pt")
 
@@ -112,8 +114,8 @@ class Saver:
 
     def check(self, network, stem: str, state: tuple[dict[str, Any], dict[str, Any]] | None) -> None:
         """Refuse (``TrainingDiverged``, nothing written) a save whose LoRA or state would hold NaN or Inf."""
-        weights = network.state_dict()
-        bad = non_finite_names(weights, self.dtype)
+        weights = cast_for_saving(network.state_dict(), self.dtype)
+        bad = non_finite_names(weights)
         if bad:
             cast = f" in {str(self.dtype).removeprefix('torch.')} (--save_precision)" if self.dtype else ""
             raise TrainingDiverged(f"not writing {self.lora_path(stem)}: {describe(bad, len(weights))}{cast}",

@@ -246,10 +246,8 @@ class LoRANetwork(nn.Module):
 
     def save_weights(self, file: str | os.PathLike[str], dtype: torch.dtype | None,
                      metadata: Mapping[str, str] | None) -> None:
-        """Save the LoRA tensors (cast to ``dtype`` on CPU); see the module docstring for format and hashes."""
-        state_dict = {k: v.detach().to("cpu", dtype or v.dtype).clone().contiguous() for k, v in
-                      self.state_dict().items()}
-        save_weights_file(state_dict, file, metadata)
+        """Save the LoRA tensors (``cast_for_saving``); see the module docstring for format and hashes."""
+        save_weights_file(cast_for_saving(self.state_dict(), dtype), file, metadata)
 
 
 def _add_groups(groups: list[dict[str, Any]], names: list[str], label: str, loras: Iterable[LoRAModule],
@@ -352,6 +350,21 @@ def safetensors_hashes(state_dict: Mapping[str, torch.Tensor], metadata: Mapping
     model_hash = hashlib.sha256(data[8 + header_len:]).hexdigest()
     legacy_hash = hashlib.sha256(data[0x100000:0x100000 + 0x10000]).hexdigest()[:8]
     return model_hash, legacy_hash
+
+
+def cast_for_saving(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The tensors as a LoRA file holds them: on the CPU, in ``dtype`` (``--save_precision``) when given, except a
+    scalar (``alpha``) whose value ``dtype`` cannot hold, which keeps its own dtype, so that no file holds Inf: the
+    kohya_ss GUI's LoKr presets use ``network_dim`` 100000, a full matrix whose alpha (100000, unused by LyCORIS
+    then) is Inf in fp16. Loaders read alpha with ``.item()``, whatever its dtype."""
+    out = {}
+    for key, value in state_dict.items():
+        tensor = value.detach().to("cpu")
+        cast = tensor.to(dtype or tensor.dtype)
+        if cast.dim() == 0 and cast.is_floating_point() and not torch.isfinite(cast) and torch.isfinite(tensor):
+            cast = tensor
+        out[key] = cast.clone().contiguous()
+    return out
 
 
 def save_weights_file(state_dict: Mapping[str, torch.Tensor], file: str | os.PathLike[str],

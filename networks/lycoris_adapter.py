@@ -47,7 +47,7 @@ from torch import nn
 
 from library.errors import UserError
 from networks.args import parse_probability
-from networks.lora import save_weights_file
+from networks.lora import cast_for_saving, save_weights_file
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,7 @@ class KohyaLycorisNetwork(kohya.LycorisNetworkKohya):
 
     def save_weights(self, file: str | os.PathLike[str], dtype: torch.dtype | None,
                      metadata: Mapping[str, str] | None) -> None:
-        state_dict = {k: v.detach().to("cpu", dtype or v.dtype).clone().contiguous() for k, v in
-                      self.state_dict().items()}
-        save_weights_file(state_dict, file, metadata)
+        save_weights_file(cast_for_saving(self.state_dict(), dtype), file, metadata)
 
 
 def _text_encoder_view(text_encoder: Any) -> Any:

@@ -63,3 +63,15 @@ def test_a_save_that_would_hold_inf_is_refused_before_writing(tmp_path):
     with pytest.raises(TrainingDiverged, match="lora-state: 1 of 1 tensors"):
         Saver(tmp_path, "pt", None).check(_Network(1.0), "lora", state)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_scalar_alpha_that_fp16_cannot_hold_stays_in_its_dtype(tmp_path):
+    """The kohya_ss GUI's LoKr presets: network_dim 100000 makes LyCORIS store alpha 100000 (Inf in fp16)."""
+    from networks.lora import cast_for_saving
+
+    network = _Network(1.0)
+    network.register_buffer("alpha", torch.tensor(1e5))
+    saved = cast_for_saving(network.state_dict(), torch.float16)
+    assert saved["w"].dtype == torch.float16 and saved["alpha"].dtype == torch.float32
+    assert float(saved["alpha"]) == 1e5
+    Saver(tmp_path, "pt", torch.float16).check(network, "lora", None)  # nothing non-finite: accepted
