@@ -91,7 +91,8 @@ def _check_fits(file: str, network: torch.nn.Module, weights: dict[str, torch.Te
 
 
 def check_network_weights(cfg: NetworkConfig) -> None:
-    """Refuse a ``--network_weights`` file holding NaN or Inf before any model loads (``UserError``, exit 2)."""
+    """Refuse a ``--network_weights`` file holding NaN or Inf before any model loads (``UserError``, exit 2); call it
+    after ``weights_shapes``, which names a missing or unreadable file."""
     if cfg.network_weights:
         refuse_non_finite(load_weights_file(cfg.network_weights), f"--network_weights {cfg.network_weights}",
                           "give the last good file of that run, or train without --network_weights")

@@ -82,7 +82,6 @@ def run(cfg: TrainConfig) -> RunResult | None:
     saved = read_state(cfg.save.resume) if cfg.save.resume else None
     if saved is not None:
         check_finite(saved)
-    network_setup.check_network_weights(cfg.network)
     seed, stored_seed = cfg.run.seed, saved_seed(saved) if saved is not None else None
     if seed is None and stored_seed is not None:
         seed = stored_seed
@@ -113,6 +112,7 @@ def run(cfg: TrainConfig) -> RunResult | None:
         check_folder("--logging_dir", cfg.log.logging_dir)
     if cfg.network.network_weights:
         network_setup.weights_shapes(cfg.network.network_weights)  # a bad file is named before the model loads
+        network_setup.check_network_weights(cfg.network)
 
     with open_output(cfg.save.output_dir, names.last, names.owns):  # before anything heavy loads
         torch.manual_seed(seed)
