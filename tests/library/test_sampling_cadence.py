@@ -34,11 +34,17 @@ class FakeData:
 
 
 class FakeUpdater:
+    skipped = 0
+    max_norm_log: list = []
+
     def backward(self, loss: torch.Tensor) -> None:
         pass
 
     def update(self) -> UpdateResult:
-        return UpdateResult(applied=True, grad_norm=0.0)
+        return UpdateResult(applied=True, loss=1.0, grad_norm=0.0)
+
+    def check_weights(self) -> None:
+        pass
 
 
 class FakeTracker:
