@@ -59,12 +59,13 @@ class BatchLoss:
     weighted_captions: bool = False
     readout: Readout = field(default_factory=Readout)
     host_generator: torch.Generator | None = None
-    schedule: DeviceSchedule = field(init=False)
+    schedule: DeviceSchedule | None = None  # made once from the model's scheduler (kept by dataclasses.replace)
 
     def __post_init__(self) -> None:
-        scheduler = self.model.noise_scheduler
-        self.schedule = DeviceSchedule(scheduler.alphas_cumprod.to(self.device, torch.float32),
-                                       loss_weight_snr(scheduler).to(self.device, torch.float32))
+        if self.schedule is None:
+            scheduler = self.model.noise_scheduler
+            self.schedule = DeviceSchedule(scheduler.alphas_cumprod.to(self.device, torch.float32),
+                                           loss_weight_snr(scheduler).to(self.device, torch.float32))
 
     def latents(self, batch: dict) -> torch.Tensor:
         """Scaled latents of the batch, from the cache or encoded now with the frozen VAE."""

@@ -67,11 +67,13 @@ def validation_loss(batch_loss: BatchLoss, batches: Iterable[dict], timesteps: l
     sd-scripts' order (per batch, the timesteps in turn; each its own latent sample and noise).
     The text encoder runs without gradients even when its LoRA is trained."""
     generator = torch.Generator(batch_loss.generator.device).manual_seed(seed)
+    # next to a CUDA generator, pyramid-noise sizes come from a CPU one: a fresh one here too, not the training one
+    host = torch.Generator().manual_seed(seed) if batch_loss.host_generator is not None else None
     losses = []
     for batch in batches:
         for t in timesteps:
             fixed = replace(batch_loss, noise=replace(batch_loss.noise, min_timestep=t, max_timestep=t),
-                            generator=generator, train_text_encoder=False)
+                            generator=generator, host_generator=host, train_text_encoder=False)
             losses.append(fixed(batch).detach())
     return torch.stack(losses).mean()
 
