@@ -49,8 +49,9 @@ def _from_pretrained(cls, path: Path, subfolder: str):
         return cls.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
     except (OSError, ValueError) as exc:
         reason = str(exc).splitlines()[0]
+        part = "config.json is" if "config" in reason and "json" in reason.lower() else "weights are"
         raise UserError(f"--pretrained_model_name_or_path {path}: {subfolder}/ cannot be loaded ({reason}); its "
-                        "weights are truncated or missing (an interrupted download or copy?): copy the folder "
+                        f"{part} damaged, truncated or missing (an interrupted download or copy?): copy the folder "
                         "again") from None
 
 

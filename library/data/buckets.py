@@ -61,7 +61,8 @@ def _round_to_steps(x: float, steps: int) -> int:
 def select_bucket_no_upscale(image_size: tuple[int, int], max_area: int, steps: int) -> BucketChoice:
     """``bucket_no_upscale``: an image larger than ``max_area`` shrinks to that area keeping its aspect, rounding
     the width or the height to ``steps`` (whichever gives the smaller aspect error); smaller images keep their size.
-    The bucket is the resized size floored to ``steps``, so images are only cropped, never padded or enlarged."""
+    The bucket is the resized size floored to ``steps``, so images are only cropped, never padded or enlarged.
+    A side that rounds to 0 gives a 0-px bucket side (sd-scripts divides by zero there); the caller reports it."""
     width, height = image_size
     aspect = width / height
     if width * height > max_area:
@@ -71,8 +72,8 @@ def select_bucket_no_upscale(image_size: tuple[int, int], max_area: int, steps: 
         height_for_width = _round_to_steps(width_rounded / aspect, steps)
         height_rounded = _round_to_steps(resized_height, steps)
         width_for_height = _round_to_steps(height_rounded * aspect, steps)
-        error_by_width = abs(width_rounded / height_for_width - aspect)
-        error_by_height = abs(width_for_height / height_rounded - aspect)
+        error_by_width = abs(width_rounded / height_for_width - aspect) if height_for_width else math.inf
+        error_by_height = abs(width_for_height / height_rounded - aspect) if height_rounded else math.inf
         if error_by_width < error_by_height:
             resized = (width_rounded, int(width_rounded / aspect + 0.5))
         else:
@@ -80,7 +81,7 @@ def select_bucket_no_upscale(image_size: tuple[int, int], max_area: int, steps: 
     else:
         resized = (width, height)
     bucket = (resized[0] - resized[0] % steps, resized[1] - resized[1] % steps)
-    return BucketChoice(bucket, resized, bucket[0] / bucket[1] - aspect)
+    return BucketChoice(bucket, resized, bucket[0] / bucket[1] - aspect if bucket[1] else math.inf)
 
 
 def snap_min_max(min_reso: int, max_reso: int, steps: int) -> tuple[int, int, list[str]]:

@@ -207,8 +207,11 @@ def _assign_buckets(prepared: PreparedDataset, report: ScanReport) -> None:
             size = f"{item.size[0]}x{item.size[1]} < {resolution[0]}x{resolution[1]}"
             report.small_images.append(f"{item.path} ({size})")
         if item.choice.bucket[0] < 1 or item.choice.bucket[1] < 1:
-            errors.append(f"{item.path}: image ({item.size[0]}x{item.size[1]}) is smaller than bucket_reso_steps "
-                          f"({spec.bucket_reso_steps}) with bucket_no_upscale")
+            resized = item.choice.resized
+            errors.append(f"{item.path}: image ({item.size[0]}x{item.size[1]}, {resized[0]}x{resized[1]} after "
+                          f"resizing to the resolution's area) has a side smaller than bucket_reso_steps "
+                          f"({spec.bucket_reso_steps}) with bucket_no_upscale: lower bucket_reso_steps or raise "
+                          f"the resolution")
     report.errors.extend(errors)
     members: dict[tuple[int, int], list[int]] = {}
     for index, item in enumerate(prepared.items):

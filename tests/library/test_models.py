@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +164,19 @@ def test_folder_without_model_index(tmp_path):
 def test_missing_vae(exported, tmp_path):
     with pytest.raises(UserError, match="--vae"):
         load_sd_model("builtin:tiny-sd15", vae=str(tmp_path / "vae.safetensors"))
+
+
+@pytest.mark.parametrize("damage, said", [
+    ("unet/config.json", "unet/ cannot be loaded .*its config.json is damaged"),
+    ("unet/diffusion_pytorch_model.safetensors", "unet/ cannot be loaded .*its weights are damaged, truncated"),
+])
+def test_damaged_diffusers_part_names_the_part(exported, tmp_path, damage, said):
+    folder = tmp_path / "copy"
+    shutil.copytree(exported, folder)
+    damaged = folder / damage
+    damaged.write_bytes(damaged.read_bytes()[:200])
+    with pytest.raises(UserError, match=said):
+        load_sd_model(str(folder))
 
 
 def test_builtin_refuses_v2():

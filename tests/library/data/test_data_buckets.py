@@ -82,3 +82,10 @@ def test_crop_offset_centre_and_random_range():
     rng = random.Random(0)
     offsets = {crop_offset((597, 448), (576, 448), rng) for _ in range(200)}
     assert {left for left, _ in offsets} == set(range(22)) and {top for _, top in offsets} == {0}
+
+
+def test_select_bucket_no_upscale_side_rounding_to_zero():
+    # 96x64 into 64x64's area: 78.4x52.3 by the area; width 78 -> 64 gives height 64/1.5 = 42.7 -> 43 -> 0 px;
+    # height 52 -> 0 px. sd-scripts divides by zero here; the 0-px side is left for the dataset to report.
+    choice = select_bucket_no_upscale((96, 64), 64 * 64, 64)
+    assert 0 in choice.bucket

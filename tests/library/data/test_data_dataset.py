@@ -262,3 +262,11 @@ def test_persistent_workers_follow_the_epoch_and_step(tmp_path, make_folder, cap
     assert [c for c, _ in seen["persistent"]] == [c for c, _ in seen["single"]]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(seen["persistent"], seen["single"], strict=True))
     assert any(c == [""] * len(c) for c, _ in seen["single"])  # epoch 2 dropped the captions
+
+
+def test_bucket_no_upscale_side_below_steps_is_named(tmp_path, make_folder):
+    folder = make_folder("train/1_x", 1, size=(96, 64))
+    with pytest.raises(UserError) as info:
+        build_train_data(cli(tmp_path, enable_bucket=True, bucket_no_upscale=True, bucket_reso_steps=64), seed=0)
+    message = " ".join(info.value.messages)
+    assert str(folder / "img000.png") in message and "bucket_reso_steps (64)" in message
