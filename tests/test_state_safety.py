@@ -16,6 +16,7 @@ import torch
 
 import train_network
 from library import model_setup
+from library.tiny_model import build_tiny_sd15, save_diffusers_folder
 from tests.test_train_network import SAMPLES, train_args
 
 
@@ -63,6 +64,18 @@ def test_hostile_checkpoint_is_not_executed(tmp_path, capsys):
     args = train_args(tmp_path / "out")
     args[1] = str(model)
     _fails_cleanly(capsys, args, "model.ckpt")
+    assert not marker.exists()
+
+
+def test_hostile_diffusers_bin_is_not_executed(tmp_path, capsys):
+    folder = tmp_path / "model"
+    save_diffusers_folder(build_tiny_sd15(), folder)
+    (folder / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    torch.save({"conv_in.weight": Hostile(marker)}, folder / "unet" / "diffusion_pytorch_model.bin")
+    args = train_args(tmp_path / "out")
+    args[1] = str(folder)
+    _fails_cleanly(capsys, args, "unet/ cannot be loaded")
     assert not marker.exists()
 
 
