@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +30,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT))
 
 import memory_speed  # noqa: E402
+from common import machine, reproduce_command, run_child, write_images  # noqa: E402
 
 STEM = "fp8-2026-12-01"
 MARKER = "fp8_bytes:"
@@ -64,15 +63,7 @@ def child(argv: list[str]) -> int:
 
 
 def measure(train_args: list[str], log_file: Path) -> dict:
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", *train_args]
-    with log_file.open("w") as out:
-        code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
-    text = log_file.read_text()
-    if code != 0 or MARKER not in text or memory_speed.MARKER not in text:
-        raise RuntimeError(f"{shlex.join(command)} failed; see {log_file}:\n{text[-3000:]}")
-    report = json.loads(text.split(memory_speed.MARKER, 1)[1].splitlines()[0])
-    report.update(json.loads(text.split(MARKER, 1)[1].splitlines()[0]))
-    return report
+    return run_child(__file__, train_args, log_file, memory_speed.MARKER, MARKER)[0]
 
 
 def main() -> int:
@@ -92,7 +83,7 @@ def main() -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
-        memory_speed.write_images(data / "1_shapes", args.resolution)
+        write_images(data / "1_shapes", args.resolution)
         base = ["--pretrained_model_name_or_path", "builtin:sd15-random", "--train_data_dir", str(data),
                 "--caption_extension", ".txt", "--resolution", str(args.resolution), "--train_batch_size", "1",
                 "--network_module", "networks.lora", "--network_dim", str(args.rank), "--network_alpha", "8",
@@ -109,8 +100,7 @@ def main() -> int:
             print(rows[-1], flush=True)
 
     memory = "peak CUDA memory allocated" if cuda else "peak RSS"
-    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
-    command = f"HF_HUB_OFFLINE=1 {threads}.venv/bin/python bench/fp8.py {shlex.join(sys.argv[1:])}".rstrip()
+    command = reproduce_command("fp8.py")
     device = torch.cuda.get_device_name() if cuda else "CPU"
     table = "\n".join([
         f"| run | UNet parameters, MiB | text encoder parameters, MiB | {memory}, whole process, GiB | "
@@ -120,7 +110,7 @@ def main() -> int:
         f"# fp8 frozen weights (--fp8_base), SD1.5 architecture, {device}, 2026-12-01",
         f"How to reproduce (from the repository root; {(time.perf_counter() - started) / 60:.0f} minutes "
         f"here):\n\n    {command}",
-        memory_speed.machine() + f"; device {device}",
+        machine() + f"; device {device}",
         f"Common flags: builtin:sd15-random, --mixed_precision bf16, AdamW, LoRA rank {args.rank} alpha 8 (U-Net "
         f"and text encoder), {args.resolution} px, batch 1, --cache_latents, {args.steps} steps, 8 images, "
         "--max_data_loader_n_workers 0, seed 0.",

@@ -22,22 +22,18 @@ writes ``bench/results/memory-speed-2026-11-29.md`` (``...-cuda.md`` on a GPU) a
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import itertools
 import json
-import os
-import platform
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-IMAGES = ROOT / "configs" / "sample_data" / "10_shapes"
+from common import ROOT, machine, reproduce_command, run_child, write_images
+
 RESULTS = ROOT / "bench" / "results"
 STEM = "memory-speed-2026-11-29"
 MARKER = "memory_speed:"
@@ -46,7 +42,6 @@ PRECISIONS = {
     "mixed bf16": ["--mixed_precision", "bf16", "--optimizer_type", "AdamW"],
     "full bf16": ["--mixed_precision", "bf16", "--full_bf16", "--optimizer_type", "StochasticAdamW"],
 }
-PACKAGES = ["torch", "diffusers", "transformers", "accelerate"]
 
 
 def vm_hwm_bytes() -> int:
@@ -98,45 +93,12 @@ def child(argv: list[str]) -> int:
     return code
 
 
-def write_images(folder: Path, size: int) -> None:
-    """The sample images, centre-cropped to a square and resized to ``size``, with their captions."""
-    from PIL import Image
-
-    folder.mkdir(parents=True)
-    for file in sorted(IMAGES.glob("*.png")):
-        image = Image.open(file).convert("RGB")
-        side = min(image.size)
-        left, top = (image.width - side) // 2, (image.height - side) // 2
-        image.crop((left, top, left + side, top + side)).resize((size, size), Image.Resampling.LANCZOS).save(
-            folder / file.name)
-        (folder / file.with_suffix(".txt").name).write_text(file.with_suffix(".txt").read_text(), encoding="utf-8")
-
-
 def measure(train_args: list[str], log_file: Path) -> dict:
     """Run one configuration in a child process; its output goes to ``log_file``."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", *train_args]
-    with log_file.open("w") as out:
-        code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
-    text = log_file.read_text()
-    if code != 0 or MARKER not in text:
-        raise RuntimeError(f"{shlex.join(command)} failed; see {log_file}:\n{text[-3000:]}")
-    report = json.loads(text.split(MARKER, 1)[1].splitlines()[0])
+    report, text = run_child(__file__, train_args, log_file, MARKER)
     trainer = re.search(r"\(([\d.]+) s/step\)", text)
     report["trainer_s_per_step"] = float(trainer.group(1)) if trainer else float("nan")
     return report
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in PACKAGES)
-    return (f"Machine: {cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}; "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; Python {platform.python_version()}, "
-            f"{versions}")
 
 
 def main() -> int:
@@ -180,8 +142,7 @@ def main() -> int:
             print(rows[-1], flush=True)
 
     memory = "peak CUDA memory allocated" if cuda else "peak RSS"
-    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
-    command = f"HF_HUB_OFFLINE=1 {threads}.venv/bin/python bench/memory_speed.py {shlex.join(sys.argv[1:])}"
+    command = reproduce_command("memory_speed.py")
     device = torch.cuda.get_device_name() if cuda else "CPU"
     table = "\n".join([
         f"| precision | gradient checkpointing | cache latents | {memory}, whole process, GiB | "

@@ -18,21 +18,17 @@ writes ``bench/results/validation-2026-12-01.md`` (``...-cuda.md`` on a GPU) and
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import itertools
 import json
-import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-IMAGES = ROOT / "configs" / "sample_data" / "10_shapes"
+from common import ROOT, machine, reproduce_command, run_child, write_images
+
 RESULTS = ROOT / "bench" / "results"
 STEM = "validation-2026-12-01"
 MARKER = "validation_bench:"
@@ -73,40 +69,8 @@ def child(argv: list[str]) -> int:
     return code
 
 
-def write_images(folder: Path, size: int) -> None:
-    """The sample images resized to ``size`` x ``size`` (they are square), with their captions."""
-    from PIL import Image
-
-    folder.mkdir(parents=True)
-    for file in sorted(IMAGES.glob("*.png")):
-        with Image.open(file) as image:
-            image.convert("RGB").resize((size, size), Image.Resampling.LANCZOS).save(folder / file.name)
-        caption = file.with_suffix(".txt")
-        (folder / caption.name).write_text(caption.read_text(encoding="utf-8"), encoding="utf-8")
-
-
 def measure(argv: list[str], log_file: Path) -> dict:
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", *argv]
-    with log_file.open("w") as out:
-        code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
-    text = log_file.read_text()
-    if code != 0 or MARKER not in text:
-        raise RuntimeError(f"{shlex.join(command)} failed; see {log_file}:\n{text[-3000:]}")
-    return json.loads(text.split(MARKER, 1)[1].splitlines()[0])
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in ("torch", "diffusers"))
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"Machine: {cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}; "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; Python {platform.python_version()}, "
-            f"{versions}; load average at the end {load:.1f}")
+    return run_child(__file__, argv, log_file, MARKER)[0]
 
 
 def main() -> int:
@@ -149,8 +113,7 @@ def main() -> int:
                         f"{validation / (100 * without):.1%} |")
             print(rows[-1], flush=True)
 
-    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
-    command = f"{threads}HF_HUB_OFFLINE=1 .venv/bin/python bench/validation.py {shlex.join(sys.argv[1:])}".rstrip()
+    command = reproduce_command("validation.py")
     device = torch.cuda.get_device_name() if cuda else "CPU"
     table = "\n".join([
         "| model | px | flags | median s/step, no validation | median s/step, validating every step | "
@@ -161,7 +124,7 @@ def main() -> int:
         f"# Validation-loss overhead, {device}, 2026-12-01",
         f"How to reproduce (from the repository root; {(time.perf_counter() - started) / 60:.0f} minutes here):"
         f"\n\n    {command}",
-        machine() + f"; device {device}",
+        machine(("torch", "diffusers")) + f"; device {device}",
         f"Common flags: LoRA rank 16 alpha 8 (U-Net and text encoder), batch 1, 8 images with "
         f"--validation_split 0.25 (6 train, 2 validation batches x 4 timesteps = 8 forward passes per validation), "
         f"{args.tiny_steps} steps (tiny) / {args.sd15_steps} steps (sd15-random), seed 0, "

@@ -1,0 +1,73 @@
+"""What the training benchmarks share: the machine line of a results file, the benchmark images, a trainer run in
+a child process that reports JSON, and the command line that reproduces a table.
+
+A benchmark script measures in a ``--child`` mode of its own (``train_network.main`` with timing hooks) so that each
+configuration gets a fresh process and its own peak memory; the child prints one ``<marker>{json}`` line per marker.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = ROOT / "configs" / "sample_data" / "10_shapes"
+PACKAGES = ("torch", "diffusers", "transformers", "accelerate")
+
+
+def machine(packages: tuple[str, ...] = PACKAGES) -> str:
+    """CPU model, core count, OS, thread setting, versions and the 1-minute load average, as one line."""
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in packages)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"Machine: {cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}; "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; Python {platform.python_version()}, "
+            f"{versions}; load average {load:.1f}")
+
+
+def write_images(folder: Path, size: int) -> None:
+    """The bundled sample images, centre-cropped to a square and resized to ``size``, with their captions."""
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    for file in sorted(IMAGES.glob("*.png")):
+        with Image.open(file) as opened:
+            image = opened.convert("RGB")
+        side = min(image.size)
+        left, top = (image.width - side) // 2, (image.height - side) // 2
+        image.crop((left, top, left + side, top + side)).resize((size, size), Image.Resampling.LANCZOS).save(
+            folder / file.name)
+        caption = file.with_suffix(".txt")
+        (folder / caption.name).write_text(caption.read_text(encoding="utf-8"), encoding="utf-8")
+
+
+def run_child(script: str, argv: list[str], log_file: Path, *markers: str) -> tuple[dict, str]:
+    """Run ``script --child argv`` from the repository root with its output in ``log_file``; return the merged
+    JSON of every ``markers`` line and the whole output. A failed run raises with the end of its output."""
+    command = [sys.executable, str(Path(script).resolve()), "--child", *argv]
+    with log_file.open("w") as out:
+        code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    text = log_file.read_text()
+    if code != 0 or not all(marker in text for marker in markers):
+        raise RuntimeError(f"{shlex.join(command)} failed; see {log_file}:\n{text[-3000:]}")
+    report: dict = {}
+    for marker in markers:
+        report.update(json.loads(text.split(marker, 1)[1].splitlines()[0]))
+    return report, text
+
+
+def reproduce_command(script: str) -> str:
+    """The command line that ran this benchmark, from the repository root, with its thread setting."""
+    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
+    return f"{threads}HF_HUB_OFFLINE=1 .venv/bin/python bench/{script} {shlex.join(sys.argv[1:])}".rstrip()
