@@ -57,3 +57,15 @@ class TrainingDiverged(RuntimeError):
     def __init__(self, message: str, *, weights_intact: bool = True) -> None:
         super().__init__(message)
         self.weights_intact = weights_intact
+
+
+class Stopped(Exception):
+    """A multi-process run stopped on every process because one of them failed (``library/distributed.py``).
+
+    ``exit_code`` is this process's code (its own failure's, else that of the process that failed first); ``lines``
+    is what to print, non-empty on the main process only, so the failure is reported once."""
+
+    def __init__(self, exit_code: int, lines: list[str]) -> None:
+        self.exit_code = exit_code
+        self.lines = lines
+        super().__init__("\n".join(lines) or f"stopped with exit code {exit_code}")

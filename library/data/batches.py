@@ -19,7 +19,7 @@ ratio other than the bucket's (or a face crop) its mask is offset from the image
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -218,7 +218,7 @@ def _decoded(path: str, loader: Callable[[str], T]) -> T:
 
 class EpochSampler(Sampler):
     """Yields the ``BatchKey``s of the current epoch from ``state.first_batch`` on; reads epoch and step from ``state``
-    when iterated."""
+    when iterated. ``library/distributed.py`` deals its positions out to several processes (``keys``, ``start``)."""
 
     def __init__(self, state: object, length: int) -> None:
         self.state = state
@@ -227,7 +227,16 @@ class EpochSampler(Sampler):
     def __len__(self) -> int:
         return self.length
 
-    def __iter__(self) -> Iterator[BatchKey]:
+    @property
+    def start(self) -> int:
+        """The first batch to yield in the current epoch (a resume mid-epoch starts later)."""
+        return self.state.first_batch
+
+    def keys(self, positions: Iterable[int]) -> Iterator[BatchKey]:
+        """The keys of the batches at ``positions`` of the current epoch (read when the first key is drawn)."""
         epoch = self.state.epoch
-        for position in range(self.state.first_batch, self.length):
+        for position in positions:
             yield BatchKey(epoch, position, self.state.step, self.state.max_train_steps)
+
+    def __iter__(self) -> Iterator[BatchKey]:
+        return self.keys(range(self.start, self.length))
