@@ -3,13 +3,18 @@
     python train_network.py --pretrained_model_name_or_path MODEL --train_data_dir DATA \\
         --resolution 512 --output_dir OUT --network_module networks.lora [--full_bf16 ...]
 
+Several GPUs or machines: ``accelerate launch --multi_gpu --num_processes N train_network.py ...`` or
+``torchrun --nproc_per_node N train_network.py ...`` (README, "Several GPUs or machines").
+
 Exit codes: 0 done, 2 bad input (nothing written; also weights or a state holding NaN/Inf), 3 training diverged
 (the message names the last good LoRA: saved at the stop when the weights were still good, else the last file
-written before; no file ever holds NaN/Inf), 130 interrupted (the last saved checkpoint is intact).
+written before; no file ever holds NaN/Inf), 130 interrupted (the last saved checkpoint is intact); with several
+processes every process exits with the code of the one that stopped the run.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -23,10 +28,16 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _prints_errors() -> bool:
+    """Under torchrun / accelerate launch every process parses the same flags: their errors are printed by the main
+    process (``RANK`` 0) only. Errors during a run are reported to it (``library/distributed.py``)."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     from library.cli import parse_args, write_config_file
     from library.console_log import setup_logging
-    from library.errors import TrainingDiverged, UserError
+    from library.errors import Stopped, TrainingDiverged, UserError
 
     setup_logging()
     try:
@@ -42,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         _interrupt_on_sigterm()
         result = run(cfg)
     except UserError as exc:
-        for message in exc.messages:
+        for message in exc.messages if _prints_errors() else []:
             print(f"error: {message}", file=sys.stderr)
+        return exc.exit_code
+    except Stopped as exc:  # a multi-process run, stopped on every process
+        for line in exc.lines:
+            print(line, file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted: the last saved checkpoint is intact", file=sys.stderr)
@@ -54,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     if result is None:  # --debug_dataset
         return 0
     loop = result.loop
+    if not result.main_process:
+        return 0
     print(f"saved {result.lora_path}: {loop.position.step} steps, {loop.position.epoch} epochs, "
           f"final loss {loop.last_loss:.4f}, {loop.skipped_updates} update{'' if loop.skipped_updates == 1 else 's'} "
           "skipped as non-finite, "

@@ -16,9 +16,11 @@ What sd-scripts' ``train_network.py`` does under accelerate, and what is reprodu
 * only the main process (rank 0) writes files and logs; every save is preceded by a barrier.
 
 Differences, on purpose: the seed is drawn on rank 0 and sent to all (sd-scripts draws one per process when
-``--seed`` is absent); the noise, timestep and dropout generators of process r are seeded with seed + r
-(sd-scripts gives every process the same noise); the stochastic-rounding seeds of the optimizers, the accumulator
-and the gradient round-back are the same everywhere.
+``--seed`` is absent); the noise, timestep and dropout generators of process r are seeded with seed + r when
+training starts (sd-scripts gives every process the same noise and dropout masks); the models, the network's
+initialisation (also sent from rank 0) and the latent cache are made with the run's seed everywhere, as in
+sd-scripts; the stochastic-rounding seeds of the optimizers, the accumulator and the gradient round-back are the
+same everywhere.
 
 Decisions that must be the same everywhere (ARCHITECTURE.md) are taken from exchanged values: every collective is
 preceded by a *sync point* that exchanges each process's status, so an error, an interruption or a stop on one
@@ -209,9 +211,8 @@ class _Signals:
 
 @dataclass
 class Exchange:
-    """What a sync point returned: per process its status code and its own values; the sums of the summed values."""
+    """The values a sync point exchanged: each process's own values, and the sums of the summed ones."""
 
-    codes: list[int]
     own: list[list[int]]
     summed: list[int]
 
@@ -278,12 +279,12 @@ class Processes:
         code = exit_code(exc)
         self._signals.ignore()
         try:
-            outcome = self._exchange(code=code, messages=_messages(exc))
+            codes = self._exchange(code=code, messages=_messages(exc))
         finally:
             self._close(failed=True)
         if code == CRASHED:
             return False  # the traceback of a crash is printed where it happened
-        raise self._stopped(outcome) from None
+        raise self._stopped(codes) from None
 
     def _close(self, failed: bool) -> None:
         if not failed:
@@ -302,34 +303,37 @@ class Processes:
             raise
         return work
 
-    def _exchange(self, *, code: int = 0, messages: Sequence[str] = (), own: Sequence[int] = (),
-                  summed: Sequence[int] = ()) -> Exchange:
-        """One sync point's exchange, inside a deferred-signal section: every process's status code and ``own``
-        values (the same count everywhere), and the sums of ``summed``. A failure reported by any process (its
-        code and messages) is turned into ``Stopped`` by the caller."""
-        world, width = self.world_size, len(own)
+    def _exchange(self, *, code: int = 0, messages: Sequence[str] = ()) -> list[int]:
+        """A sync point's status exchange: every process's status code (0: fine), the same 2·N integers at every
+        sync point, so that a process reporting a failure from anywhere meets the others at whichever sync point
+        they have reached. When a process failed, its messages follow (``self._failures``)."""
+        world = self.world_size
         if self._signals.take_pending() and not code:
             code, messages = INTERRUPTED, []
         text = "\n".join(messages).encode()
-        values = torch.zeros(world * (2 + width) + len(summed), dtype=torch.int64)
+        values = torch.zeros(2 * world, dtype=torch.int64)
         values[self.rank] = code
         values[world + self.rank] = len(text)
-        if width:
-            values[2 * world + self.rank * width: 2 * world + (self.rank + 1) * width] = torch.tensor(own)
-        if summed:
-            values[world * (2 + width):] = torch.tensor(summed, dtype=torch.int64)
         self._collective(dist.all_reduce, values, group=self._control)
-        values = values.tolist()
-        codes = values[:world]
-        outcome = Exchange(codes, [values[2 * world + r * width: 2 * world + (r + 1) * width] for r in range(world)],
-                           values[world * (2 + width):])
+        codes, lengths = values[:world].tolist(), values[world:].tolist()
         if any(codes):
             self._stopping = True
-            lengths = values[world:2 * world]
             gathered = self._all_gather_bytes(text, max(lengths))
             self._failures = {r: gathered[r][:lengths[r]].decode().split("\n") if lengths[r] else []
                               for r in range(world) if codes[r]}
-        return outcome
+        return codes
+
+    def _values(self, own: Sequence[int], summed: Sequence[int]) -> Exchange:
+        """Every process's ``own`` integers (the same count everywhere) and the sums of ``summed``."""
+        world, width = self.world_size, len(own)
+        values = torch.zeros(world * width + len(summed), dtype=torch.int64)
+        if width:
+            values[self.rank * width:(self.rank + 1) * width] = torch.tensor(own, dtype=torch.int64)
+        if summed:
+            values[world * width:] = torch.tensor(summed, dtype=torch.int64)
+        self._collective(dist.all_reduce, values, group=self._control)
+        values = values.tolist()
+        return Exchange([values[r * width:(r + 1) * width] for r in range(world)], values[world * width:])
 
     def _all_gather_bytes(self, data: bytes, size: int) -> list[bytes]:
         """Every process's ``data`` (each at most ``size`` bytes, a length agreed in a preceding exchange), padded
@@ -341,23 +345,22 @@ class Processes:
         self._collective(dist.all_gather, gathered, buffer, group=self._control)
         return [g.numpy().tobytes() for g in gathered]
 
-    def _stopped(self, outcome: Exchange) -> Stopped:
+    def _stopped(self, codes: list[int]) -> Stopped:
         """The stop of this process: its own code if it failed, else that of the first process that did."""
-        first = next(r for r, c in enumerate(outcome.codes) if c)
-        code = outcome.codes[self.rank] or outcome.codes[first]
-        lines = report_lines(outcome.codes[first], first, self._failures[first]) if self.is_main else []
-        return Stopped(code, lines)
+        first = next(r for r, c in enumerate(codes) if c)
+        lines = report_lines(codes[first], first, self._failures[first]) if self.is_main else []
+        return Stopped(codes[self.rank] or codes[first], lines)
 
     @contextmanager
-    def _sync_point(self, **values) -> Iterator[Exchange]:
-        """Exchange statuses (raise ``Stopped`` when a process failed), then run the block's collectives, all with
-        signals deferred."""
+    def _sync_point(self, own: Sequence[int] = (), summed: Sequence[int] = ()) -> Iterator[Exchange]:
+        """Exchange statuses (raise ``Stopped`` when a process failed), then the values and the block's
+        collectives, all with signals deferred."""
         with self._signals.deferred():
-            outcome = self._exchange(**values)
-            if any(outcome.codes):
+            codes = self._exchange()
+            if any(codes):
                 self._signals.ignore()
-                raise self._stopped(outcome)
-            yield outcome
+                raise self._stopped(codes)
+            yield self._values(own, summed) if own or summed else Exchange([[] for _ in codes], [])
 
     def sync(self) -> None:
         """A barrier that also stops every process when one of them failed before reaching it."""
@@ -379,6 +382,15 @@ class Processes:
     def process_seed(self, seed: int) -> int:
         """The seed of this process's noise, timestep and dropout generators: seed + rank."""
         return seed + self.rank
+
+    def seed_generators(self, seed: int) -> None:
+        """When training starts, seed torch's and Python's global generators (the network's dropouts draw from
+        them) with ``process_seed``, so that processes do not drop the same units. Until then they hold the run's
+        seed on every process, as in sd-scripts, so that a random-weight model and the network's initialisation are
+        the same everywhere. A single process keeps its generators as they are."""
+        if self.distributed:
+            torch.manual_seed(self.process_seed(seed))
+            random.seed(self.process_seed(seed))
 
     def owns_item(self, index: int) -> bool:
         """Whether this process encodes the ``index``-th image of a sharded cache (sd-scripts: index mod N)."""
@@ -495,9 +507,10 @@ class GradientReducer:
             start += p.numel()
             self._regions[p.dtype] = (low, start)
 
-    def reduce(self, loss_finite: bool | torch.Tensor) -> bool | torch.Tensor:
-        """Average the gradients over the processes; returns whether every process's loss was finite (a tensor
-        for a tensor flag, so that no host sync is needed). A single process returns ``loss_finite`` unchanged."""
+    def reduce(self, loss_finite: torch.Tensor | None) -> torch.Tensor | None:
+        """Average the gradients over the processes; returns whether every process's loss was finite, a device flag
+        (so that no host sync is needed; ``loss_finite`` None: no micro-batch here, counted as finite). A single
+        process returns ``loss_finite`` unchanged."""
         if not self.processes.distributed:
             return loss_finite
         size = self._slots[-1][2] if self._slots else 0
@@ -513,14 +526,15 @@ class GradientReducer:
                 else:
                     flat[start:stop].copy_(grad.reshape(-1))
                     present[index] = 1
-            flag = loss_finite if isinstance(loss_finite, torch.Tensor) else torch.tensor(bool(loss_finite))
-            flat[size:].copy_((~flag.to(flat.device, torch.bool)).float().reshape(1))
+            if loss_finite is None:
+                flat[size:].zero_()
+            else:
+                flat[size:].copy_((~loss_finite.to(flat.device, torch.bool)).float().reshape(1))
             counts = self.processes.all_reduce_sum(flat, present)
             flat[:size].div_(self.processes.world_size)
             self._assign(flat, counts)
         self.reductions += 1
-        finite = flat[size] == 0
-        return finite if isinstance(loss_finite, torch.Tensor) else bool(finite)
+        return flat[size] == 0
 
     def _assign(self, flat: torch.Tensor, counts: list[int]) -> None:
         rounded: dict[torch.dtype, torch.Tensor] = {}
@@ -588,6 +602,15 @@ def start(cfg: DistributedConfig, env: dict[str, str] | None = None) -> Processe
         log.info("%d processes on %d machine(s), %s backend; this is the main process on %s", info.world_size,
                  math.ceil(info.world_size / info.local_world_size), dist.get_backend(), device)
     return processes
+
+
+def check_supported(info: ProcessInfo, *, fused_backward_pass: bool) -> None:
+    """What a multi-process run cannot do; ``UserError`` naming the way out."""
+    if info.distributed and fused_backward_pass:
+        raise UserError(f"--fused_backward_pass with {info.world_size} processes: it steps each tensor inside "
+                        "backward, before the processes' gradients could be averaged, so the processes would "
+                        "train apart; drop --fused_backward_pass (the gradients are then averaged once per "
+                        "update), or train in one process")
 
 
 def _log_per_rank(info: ProcessInfo) -> None:

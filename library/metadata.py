@@ -158,7 +158,9 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, *, seed: int, thumbnail:
     ``seed`` is the run's seed, also when it was drawn because ``--seed`` was not given (sd-scripts draws one and
     records it); ``thumbnail`` the ``--metadata_thumbnail`` data URL (``thumbnail_data_url``). Without
     ``--dataset_config``, ``ss_total_batch_size`` = batch x processes x accumulation follows the flat dataset keys,
-    as in sd-scripts. The model (and ``--vae``) name and hashes: ``model_identity``.
+    as in sd-scripts. With several processes ``ss_num_batches_per_epoch`` is each process's share (sd-scripts
+    writes the length of its accelerate-sharded loader), ``ss_num_epochs`` and ``ss_max_train_steps`` count
+    updates, which every process makes together. The model (and ``--vae``) name and hashes: ``model_identity``.
     """
     m, d, n, o, sc, p, nz, lo = (cfg.model, cfg.data, cfg.network, cfg.optimizer, cfg.schedule, cfg.precision,
                                  cfg.noise, cfg.loss)
@@ -171,7 +173,7 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, *, seed: int, thumbnail:
         "ss_unet_lr": _s(o.unet_lr),
         "ss_num_train_images": _s(num_train_images),
         "ss_num_reg_images": _s(num_reg_images),
-        "ss_num_batches_per_epoch": _s(plan.batches_per_epoch),
+        "ss_num_batches_per_epoch": _s(plan.batches_per_process),  # sd-scripts: len() of the sharded loader
         "ss_num_epochs": _s(plan.num_epochs),
         "ss_gradient_checkpointing": _s(p.gradient_checkpointing),
         "ss_gradient_accumulation_steps": _s(sc.gradient_accumulation_steps),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -110,9 +111,11 @@ def release_cached_memory(device: torch.device, highvram: bool) -> None:
 
 
 def cache_latents(data, model: SDModel, policy: PrecisionPolicy, device: torch.device, cfg: DataConfig,
-                  highvram: bool = False) -> None:
+                  highvram: bool = False, share: Callable[[int], bool] | None = None,
+                  wait: Callable[[], None] = lambda: None) -> None:
     """Encode every image once (``--cache_latents``), then move the VAE off the training device. As sd-scripts,
-    the CUDA cache is emptied after each VAE batch unless ``--highvram``."""
+    the CUDA cache is emptied after each VAE batch unless ``--highvram``. ``share`` and ``wait`` split a disk cache
+    between processes (``TrainData.cache_latents``)."""
     vae = model.vae
 
     @torch.no_grad()
@@ -127,7 +130,8 @@ def cache_latents(data, model: SDModel, policy: PrecisionPolicy, device: torch.d
     for param in list(vae.parameters())[:4]:
         digest.update(param.detach().float().cpu().numpy().tobytes())
     vae_id = digest.hexdigest()[:16]
-    data.cache_latents(encode, to_disk=cfg.cache_latents_to_disk, vae_id=vae_id, batch_size=cfg.vae_batch_size)
+    data.cache_latents(encode, to_disk=cfg.cache_latents_to_disk, vae_id=vae_id, batch_size=cfg.vae_batch_size,
+                       share=share, wait=wait)
     vae.to("cpu")
 
 

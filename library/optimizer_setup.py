@@ -91,9 +91,10 @@ def check_optimizer(cfg: OptimizerConfig, schedule: ScheduleConfig) -> Optimizer
 
 def plan_schedule(cfg: ScheduleConfig, choice: OptimizerChoice, plan: StepPlan,
                   learning_rate: float) -> ScheduleChoice:
-    """The LR scheduler for a run of ``plan.max_train_steps`` updates; the checks that need the number of updates
-    (a warm-up given as a ratio) are made here, still before the models load."""
-    return _resolve_schedule(cfg, choice, learning_rate, plan.max_train_steps)
+    """The LR scheduler for a run of ``plan.lr_ticks`` ticks (one per update and process, as sd-scripts builds it);
+    the checks that need the number of ticks (a warm-up given as a ratio) are made here, still before the models
+    load."""
+    return _resolve_schedule(cfg, choice, learning_rate, plan.lr_ticks)
 
 
 def _scheduler_args(cfg: ScheduleConfig) -> dict[str, Any]:
@@ -242,7 +243,7 @@ def schedule_warnings(cfg: ScheduleConfig, choice: OptimizerChoice) -> list[str]
 
 def optimizer_warnings(choice: OptimizerChoice, groups: list[dict], schedule: ScheduleConfig, full_bf16: bool,
                        plan: StepPlan) -> list[str]:
-    warmup = resolve_steps(schedule.lr_warmup_steps, plan.max_train_steps)
+    warmup = resolve_steps(schedule.lr_warmup_steps, plan.lr_ticks)
     return (optimizers.startup_warnings(choice.name, choice.options, [g["lr"] for g in groups], warmup, full_bf16)
             + schedule_warnings(schedule, choice))
 

@@ -6,13 +6,17 @@ The state stores everything that draws or carries randomness through the loop: t
 CUDA: the network's dropouts draw from them) and Python's, the noise generator (a CUDA generator on CUDA, with the
 CPU one that picks pyramid-noise sizes there), the stochastic-rounding accumulator, and the fp16 loss scale; with the
 data position (epoch, step, batch of the epoch) a resumed run repeats the uninterrupted one bit for bit. A state
-whose weights or optimizer state hold NaN or Inf is refused (``check_finite``): it could only train NaN.
+whose weights or optimizer state hold NaN or Inf is refused (``check_finite``): it could only train NaN. A
+multi-process run stores every process's generators (the main process writes them, gathered at the save:
+``library/distributed.py``) and the count of gradient reductions, whose rounding bits it seeds; each process takes
+its own back on resume.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -100,9 +104,10 @@ def saved_position(saved: SavedState, plan: StepPlan) -> Position:
         return Position(epoch, step, (step - epoch * plan.updates_per_epoch) * plan.gradient_accumulation_steps)
     stored = train_state.get("position")
     pos = Position(*(_whole(saved, stored, key, "position.") for key in ("epoch", "step", "batch")))
-    if pos.batch > plan.batches_per_epoch:
+    if pos.batch > plan.batches_per_process:
         raise UserError(f"--resume {saved.folder}: the state is at batch {pos.batch} of an epoch, but this run has "
-                        f"{plan.batches_per_epoch} batches per epoch; {RESUME_HINT}")
+                        f"{plan.batches_per_process} batches per epoch{' per process' * (plan.num_processes > 1)}; "
+                        f"{RESUME_HINT}")
     return pos
 
 
@@ -163,8 +168,12 @@ class TrainingState:
     trajectory: dict[str, Any]
     config: dict[str, Any]
     host_generator: torch.Generator | None = None  # next to a CUDA noise generator: pyramid-noise sizes
+    rank: int = 0  # this process; ``rng`` of rank 0, ``rng_other_processes[r - 1]`` of the others
+    other_ranks: Callable[[], list[dict[str, Any]]] = list  # the other processes' ``rng()`` at this save
+    reducer: Any = None  # the gradient reduction of a multi-process run (its rounding count)
 
-    def objects(self) -> dict[str, Any]:
+    def rng(self) -> dict[str, Any]:
+        """This process's random state: torch's global generators, Python's and the noise generator."""
         rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
                                "noise": self.noise_generator.get_state(),
                                "noise_device": self.noise_generator.device.type}
@@ -172,10 +181,19 @@ class TrainingState:
             rng["noise_host"] = self.host_generator.get_state()
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        return {"network": self.network.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "rng": rng,
-                "accumulation": self.accumulation.state_dict(),
-                "loss_scale": asdict(self.loss_scale) if self.loss_scale is not None else None}
+        return rng
+
+    def objects(self) -> dict[str, Any]:
+        objects = {"network": self.network.state_dict(), "optimizer": self.optimizer.state_dict(),
+                   "scheduler": self.scheduler.state_dict(), "rng": self.rng(),
+                   "accumulation": self.accumulation.state_dict(),
+                   "loss_scale": asdict(self.loss_scale) if self.loss_scale is not None else None}
+        others = self.other_ranks()
+        if others:
+            objects["rng_other_processes"] = others
+        if self.reducer is not None:
+            objects["gradient_reduce"] = self.reducer.state_dict()
+        return objects
 
     def check_storable(self) -> None:
         """Fail at the start, not at the first save, when the optimizer or scheduler holds unstorable objects."""
@@ -214,7 +232,9 @@ class TrainingState:
             self.network.load_state_dict(network, strict=False)
             self.optimizer.load_state_dict(objects["optimizer"])
             self.scheduler.load_state_dict(objects["scheduler"])
-            self._restore_rng(objects["rng"])
+            self._restore_rng(self._own_rng(objects, saved.folder))
+            if self.reducer is not None and objects.get("gradient_reduce"):
+                self.reducer.load_state_dict(objects["gradient_reduce"])
             if objects.get("accumulation"):
                 self.accumulation.load_state_dict(objects["accumulation"])
             if self.loss_scale is not None and objects.get("loss_scale"):
@@ -223,6 +243,15 @@ class TrainingState:
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as exc:
             raise UserError(f"--resume {saved.folder}: the state does not fit this run ({type(exc).__name__}: "
                             f"{exc}); {RESUME_HINT}") from None
+
+    def _own_rng(self, objects: dict[str, Any], folder: str) -> dict[str, Any]:
+        if self.rank == 0:
+            return objects["rng"]
+        others = objects.get("rng_other_processes") or []
+        if len(others) < self.rank:
+            raise UserError(f"--resume {folder}: the state holds the random state of {len(others) + 1} "
+                            f"process(es), not of process {self.rank}; {RESUME_HINT}")
+        return others[self.rank - 1]
 
     def _restore_rng(self, rng: dict[str, Any]) -> None:
         torch.set_rng_state(rng["torch"])

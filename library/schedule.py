@@ -3,7 +3,10 @@
 The arithmetic reproduces sd-scripts' ``train_network.py`` (SD_SCRIPTS_BEHAVIOR.md §4.2):
 ``--max_train_epochs`` always wins and becomes ``epochs · ceil(batches / processes / accumulation)``
 updates; the epoch count follows from the update count; ``global_step`` counts optimizer updates; the
-LR schedule ticks once per update, so accumulation does not stretch it and warm-up is in updates.
+LR schedule ticks once per update and process, so accumulation does not stretch it. With N processes sd-scripts
+builds the schedule for ``max_train_steps · N`` ticks and accelerate's scheduler wrapper steps it N times per
+update (``StepPlan.lr_ticks``): a ratio (``0.1``) is the same share of the run for any N, while an integer
+warm-up or decay of W ticks lasts W / N updates.
 
 The built-in LR schedules are those that sd-scripts' ``train_util.get_scheduler_fix`` builds from transformers'
 and diffusers' schedule functions, with the arguments that wrapper passes (``lr_shape``), written as a pure
@@ -32,6 +35,19 @@ class StepPlan:
     batch_size: int
     gradient_accumulation_steps: int
     num_processes: int
+
+    @property
+    def batches_per_process(self) -> int:
+        """Batches each process gets per epoch (sd-scripts' ``len(train_dataloader)`` once accelerate has sharded
+        it): ``ceil(batches_per_epoch / num_processes)``."""
+        return math.ceil(self.batches_per_epoch / self.num_processes)
+
+    @property
+    def lr_ticks(self) -> int:
+        """Ticks of the LR schedule in the whole run: one per update and process (sd-scripts' ``get_scheduler_fix``
+        builds it for ``max_train_steps * num_processes``; accelerate's ``AcceleratedScheduler`` steps it
+        ``num_processes`` times per update)."""
+        return self.max_train_steps * self.num_processes
 
     @property
     def effective_batch_size(self) -> int:
@@ -66,7 +82,8 @@ def describe(plan: StepPlan, num_train_images: int, num_reg_images: int) -> list
     """The start-of-run report of the arithmetic (sd-scripts prints most of it under different headings)."""
     return [
         f"images: {num_train_images} train (with repeats), {num_reg_images} regularization",
-        f"batches per epoch: {plan.batches_per_epoch} (batch size {plan.batch_size})",
+        f"batches per epoch: {plan.batches_per_epoch} (batch size {plan.batch_size})"
+        + (f", {plan.batches_per_process} per process" if plan.num_processes > 1 else ""),
         f"updates per epoch: {plan.updates_per_epoch} (gradient accumulation {plan.gradient_accumulation_steps})",
         f"epochs: {plan.num_epochs}, optimizer steps: {plan.max_train_steps}",
         f"effective batch size: {plan.effective_batch_size} = batch {plan.batch_size} x accumulation "

@@ -43,18 +43,19 @@ class LoopResult:
 def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Updater, plan: StepPlan,
                saves: SaveHooks, samples: SampleHooks, tracker: Tracker, lr_values: Callable[[], dict[str, float]],
                on_epoch_start: Callable[[int], None], start: Position,
-               validation: Validation | None = None) -> LoopResult:
+               validation: Validation | None = None, show_progress: bool = True) -> LoopResult:
     """Train from ``start`` until ``plan.max_train_steps`` updates; returns where it ended.
 
     The first epoch begins at ``start.batch`` (the batches before it are not loaded); a later epoch at its first
-    batch."""
+    batch. ``show_progress``: the progress bar (only the main process of a multi-process run shows one)."""
     pos = Position(start.epoch, start.step, start.batch)
     loader = data.dataloader()
     average = LossAverage(len(loader))
     accum = plan.gradient_accumulation_steps
     if samples.at_first:
         samples.sample(pos, 0)
-    progress = tqdm(total=plan.max_train_steps, initial=pos.step, desc="steps", smoothing=0, disable=None)
+    progress = tqdm(total=plan.max_train_steps, initial=pos.step, desc="steps", smoothing=0,
+                    disable=None if show_progress else True)
     began, last_loss = time.perf_counter(), float("nan")
     while pos.epoch < plan.num_epochs and pos.step < plan.max_train_steps:
         data.set_epoch(pos.epoch + 1, first_batch=pos.batch)

@@ -3,10 +3,10 @@ else is refused with each difference named.
 
 Compared: the seed (data order, noise and dropout streams), each dataset's images (file names per subset, sizes,
 repeats, buckets) and batch size, the gradient accumulation, the optimizer with its options, the network module,
-and (from the saved tensors) the network's modules and their shapes (``network_differences``). Not compared, so
-they may change as sd-scripts allows: ``--max_train_steps`` / ``--max_train_epochs`` (a longer run), learning
-rates, saving and logging options. Captions are not compared either: a corrected caption does not change the order
-of the data.
+the number of processes (states saved before it was stored count as 1), and (from the saved tensors) the network's
+modules and their shapes (``network_differences``). Not compared, so they may change as sd-scripts allows:
+``--max_train_steps`` / ``--max_train_epochs`` (a longer run), learning rates, saving and logging options.
+Captions are not compared either: a corrected caption does not change the order of the data.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def optimizer_label(name: str, options: Mapping[str, Any]) -> str:
 
 
 def trajectory(*, seed: int, datasets, gradient_accumulation_steps: int, optimizer: str,
-               network_module: str) -> dict[str, Any]:
+               network_module: str, num_processes: int = 1) -> dict[str, Any]:
     return {"seed": seed, "datasets": dataset_fingerprint(datasets),
             "gradient_accumulation_steps": gradient_accumulation_steps, "optimizer": optimizer,
-            "network_module": network_module}
+            "network_module": network_module, "num_processes": num_processes}
 
 
 def _describe(ds: Mapping[str, Any]) -> str:
@@ -57,6 +57,11 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
                       ("optimizer", "--optimizer_type / --optimizer_args"), ("network_module", "--network_module")):
         if saved.get(key) != now.get(key):
             out.append(f"{flag}: {saved.get(key)} when saved, {now.get(key)} now")
+    processes = saved.get("num_processes", 1), now.get("num_processes", 1)  # states before it: 1 process
+    if processes[0] != processes[1]:
+        out.append(f"processes (accelerate launch --num_processes / torchrun --nproc_per_node x --nnodes): "
+                   f"{processes[0]} when saved, {processes[1]} now; each process's data share and random state are "
+                   "in the state")
     before, after = list(saved.get("datasets", [])), list(now.get("datasets", []))
     if len(before) != len(after):
         out.append(f"datasets: {len(before)} when saved, {len(after)} now")

@@ -1,8 +1,10 @@
-"""One optimizer update: backward of each micro-batch, then restore → check → clip → step → schedule.
+"""One optimizer update: backward of each micro-batch, then restore → reduce → check → clip → step → schedule.
 
 The order per update is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md §4.2): gradients complete (here: the
-accumulation strategy restores ``.grad``), clip to ``--max_grad_norm``, optimizer step, scheduler step,
-``zero_grad(set_to_none=True)``, then max-norm regularization. Where we do better: a non-finite loss or
+accumulation strategy restores ``.grad``), the mean over the processes (``library/distributed.py``, which also
+sums their loss flags, so that every process decides alike), clip to ``--max_grad_norm``, optimizer step,
+scheduler step (once per process, as accelerate ticks it), ``zero_grad(set_to_none=True)``, then max-norm
+regularization. Where we do better: a non-finite loss or
 gradient norm skips the update before any weight is written (stochastic rounding could otherwise turn
 some NaNs into finite numbers, OPTIMIZERS.md §3), and ``--max_nan_steps`` such updates in a row stop the
 run with the last good weights intact. Weights that become non-finite in an update whose loss and gradient were
@@ -29,6 +31,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +98,8 @@ class Updater:
     loss_scale: DynamicLossScale | None = None
     max_norm: tuple[object, float] | None = None  # (network, --scale_weight_norms)
     fused: bool = False
+    reduce: Callable[[torch.Tensor | None], torch.Tensor | None] = lambda loss_finite: loss_finite  # GradientReducer
+    scheduler_ticks: int = 1  # LR schedule ticks per update: one per process (StepPlan.lr_ticks)
     readout: Readout = field(default_factory=Readout)
     skipped: int = 0  # updates skipped as non-finite, in this run
     updates: int = 0  # the global step: updates finished, applied or skipped (a resumed run starts at its step)
@@ -159,6 +164,7 @@ class Updater:
         if self.fused:
             return self._finish_fused()
         self.accumulation.restore()
+        self._loss_finite = self.reduce(self._loss_finite)  # every process's gradients and loss flags
         if self.loss_scale is not None:
             self.loss_scale.unscale_(self.params)
         limit = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
@@ -173,7 +179,8 @@ class Updater:
             return UpdateResult(applied=False, loss=loss, grad_norm=norm_value)
         self._nan_streak = 0
         self.optimizer.step()
-        self.scheduler.step()
+        for _ in range(self.scheduler_ticks):
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._max_norm()
         self._weights_finite = (all_finite(self.params), self.updates)
@@ -230,7 +237,8 @@ class Updater:
         self._nan_streak = 0
         with warnings.catch_warnings():  # torch cannot see step_parameter calls and warns about the order
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
-            self.scheduler.step()
+            for _ in range(self.scheduler_ticks):
+                self.scheduler.step()
         self._max_norm()
         return UpdateResult(applied=True, loss=loss, grad_norm=norm_value)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from library.config import DataConfig
 from library.data import latent_cache
@@ -53,6 +53,7 @@ class TrainData:
         self.progress = _Progress()
         self.latents = LatentStore({}, {})
         self.source = BatchSource(datasets, seed, group.prior_loss_weight, self.latents)
+        self._share: Callable[[Sampler], Sampler] = lambda sampler: sampler
 
     @property
     def resolution(self) -> tuple[int, int]:
@@ -85,8 +86,13 @@ class TrainData:
         self.progress.step = step
         self.progress.max_train_steps = max_train_steps
 
+    def shard(self, share: Callable[[Sampler], Sampler]) -> None:
+        """Load only this process's share of each epoch: ``share`` wraps the epoch sampler
+        (``library/distributed.py``)."""
+        self._share = share
+
     def dataloader(self, num_workers: int | None = None, pin_memory: bool | None = None) -> DataLoader:
-        """A DataLoader yielding one batch dict per item; ``len`` is the batches per epoch.
+        """A DataLoader yielding one batch dict per item; ``len`` is the batches per epoch (of this process).
 
         Workers stay alive between epochs (sd-scripts' ``--persistent_data_loader_workers``, always on here: the
         sampler hands each worker the epoch and step with every batch key, so nothing goes stale). Batches come in
@@ -94,7 +100,7 @@ class TrainData:
         if num_workers is None:
             num_workers = min(self.data.max_data_loader_n_workers, os.cpu_count() or 1)
         return DataLoader(
-            self.source, batch_size=None, sampler=EpochSampler(self.progress, len(self.source)),
+            self.source, batch_size=None, sampler=self._share(EpochSampler(self.progress, len(self.source))),
             num_workers=num_workers, persistent_workers=num_workers > 0,
             pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
         )
@@ -154,7 +160,8 @@ class TrainData:
                 "ss_num_validation_images": str(held_out)}
 
     def cache_latents(self, encode: Callable[[torch.Tensor], torch.Tensor], *, to_disk: bool, vae_id: str,
-                      batch_size: int) -> None:
+                      batch_size: int, share: Callable[[int], bool] | None = None,
+                      wait: Callable[[], None] = lambda: None) -> None:
         """Encode every image once (and its mirror image with flip_aug); keep the latents in RAM or in npz files,
         with the alpha mask of subsets with ``alpha_mask``.
 
@@ -163,6 +170,11 @@ class TrainData:
         cache file is reused unopened and unhashed (sd-scripts' ``skip_disk_cache_validity_check``). Images are
         encoded in groups of one bucket, flip_aug and alpha_mask setting, as sd-scripts groups them. The validation
         images are cached too.
+
+        Several processes (``share``, with ``to_disk``): as sd-scripts, each encodes the images whose index (over
+        all datasets, in order) ``share`` selects, then ``wait`` is a barrier after which every process takes the
+        others' files; an image whose file it still cannot use (a dataset folder that machines do not share) is
+        encoded there too. Without ``to_disk`` every process encodes every image into its own RAM, as sd-scripts.
         """
         blocked = sorted({info.spec.location for ds in self.datasets for info in ds.subsets
                           if info.spec.color_aug or info.spec.random_crop})
@@ -170,10 +182,35 @@ class TrainData:
             raise UserError(*(f"{loc}: color_aug and random_crop change the image every step, so latents cannot be "
                               "cached; turn them off or drop --cache_latents / --cache_latents_to_disk"
                               for loc in blocked))
+        sharded = to_disk and share is not None
+        pending, reused = self._pending(to_disk, vae_id, share if sharded else None)
+        logger.info("caching latents: %d to encode, %d reused from disk%s", sum(len(v) for v in pending.values()),
+                    reused, " (this process's share)" if sharded else "")
+        self._encode_pending(encode, pending, batch_size, to_disk)
+        if sharded:
+            wait()
+            missing, _ = self._pending(to_disk, vae_id, None)
+            if missing:
+                logger.info("caching latents: %d image(s) of other processes have no usable cache file here; "
+                            "encoding them (is the dataset folder not shared between the machines?)",
+                            sum(len(jobs) for jobs in missing.values()))
+            self._encode_pending(encode, missing, batch_size, to_disk)
+        if self.validation is not None:
+            self.validation.cache_latents(encode, to_disk=to_disk, vae_id=vae_id, batch_size=batch_size, share=share,
+                                          wait=wait)
+
+    def _pending(self, to_disk: bool, vae_id: str,
+                 share: Callable[[int], bool] | None) -> tuple[dict[tuple[tuple[int, int], bool, bool], list], int]:
+        """The images to encode, grouped by (bucket, flip_aug, alpha_mask), and the count of disk caches taken
+        instead. With ``share`` only the images it selects are looked at; images already cached are skipped."""
         pending: dict[tuple[tuple[int, int], bool, bool], list[tuple[int, int, str]]] = {}
         reused = 0
+        index = -1
         for d, ds in enumerate(self.datasets):
             for i, item in enumerate(ds.items):
+                index += 1
+                if (share is not None and not share(index)) or (d, i) in self.latents.disk:
+                    continue
                 sub = ds.subsets[item.subset_index].spec
                 key = ""
                 if to_disk:
@@ -189,13 +226,13 @@ class TrainData:
                         reused += 1
                         continue
                 pending.setdefault((item.choice.bucket, sub.flip_aug, sub.alpha_mask), []).append((d, i, key))
-        count = sum(len(v) for v in pending.values())
-        logger.info("caching latents: %d to encode, %d reused from disk", count, reused)
+        return pending, reused
+
+    def _encode_pending(self, encode: Callable[[torch.Tensor], torch.Tensor], pending: dict, batch_size: int,
+                        to_disk: bool) -> None:
         for (_, flip, alpha), jobs in sorted(pending.items(), key=lambda kv: kv[0][0][0] * kv[0][0][1]):
             for start in range(0, len(jobs), batch_size):
                 self._encode_batch(encode, jobs[start:start + batch_size], flip, alpha, to_disk)
-        if self.validation is not None:
-            self.validation.cache_latents(encode, to_disk=to_disk, vae_id=vae_id, batch_size=batch_size)
 
     def _encode_batch(self, encode: Callable[[torch.Tensor], torch.Tensor], jobs: list[tuple[int, int, str]],
                       flip: bool, alpha: bool, to_disk: bool) -> None:

@@ -66,10 +66,10 @@ def _():
     if RANK == 0:
         only_rank0.grad = torch.tensor([4.0, -2.0])  # mean with rank 1's zeros: 2, -1
     reducer = p.gradient_reducer([both, only_rank0, nowhere], seed=5)
-    finite = reducer.reduce(RANK == 0)  # rank 1's loss was not finite
-    finite_tensor = reducer.reduce(torch.tensor(True))
+    finite = reducer.reduce(torch.tensor(RANK == 0))  # rank 1's loss was not finite
+    finite_none = reducer.reduce(None)  # no micro-batch: finite
     return {"both": both.grad.tolist(), "only_rank0": only_rank0.grad.tolist(), "nowhere": nowhere.grad,
-            "finite": finite, "finite_tensor": bool(finite_tensor), "reductions": reducer.state_dict()["reductions"]}
+            "finite": bool(finite), "finite_none": bool(finite_none), "reductions": reducer.state_dict()["reductions"]}
 
 
 @check("bf16_exact")
@@ -78,7 +78,7 @@ def _():
     param = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
     # both exact in bf16 (spacing 2^-7 above 1); so is their mean 1 + 2^-7: rounding must keep it
     param.grad = torch.full((64,), 1.0 if RANK == 0 else 1.0 + 2**-6, dtype=torch.bfloat16)
-    p.gradient_reducer([param], seed=11).reduce(True)
+    p.gradient_reducer([param], seed=11).reduce(torch.tensor(True))
     return {"unique": param.grad.float().unique().tolist(), "dtype": str(param.grad.dtype)}
 
 
@@ -92,7 +92,7 @@ def _():
     # 1 + 2^-7 with probability 3/4 and 1 otherwise
     param.grad = torch.full((n,), 1.0 - 2**-8 if RANK == 0 else 1.0 + 2**-6, dtype=torch.bfloat16)
     reducer = p.gradient_reducer([param], seed=11)
-    reducer.reduce(True)
+    reducer.reduce(torch.tensor(True))
     values = param.grad.float()
     return {"mean": values.mean().item(), "unique": sorted(values.unique().tolist()),
             "digest": distributed.fingerprint([param.grad]), "dtype": str(param.grad.dtype)}

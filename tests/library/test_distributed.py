@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 
@@ -70,7 +71,8 @@ def test_a_single_process_starts_nothing():
     sampler = object()
     assert processes.shard(sampler) is sampler
     reducer = processes.gradient_reducer([], seed=0)
-    assert reducer.reduce(False) is False
+    flag = torch.tensor(False)
+    assert reducer.reduce(flag) is flag
     assert distributed.describe_options(DistributedConfig(ddp_timeout=3), processes.info) == [
         "--ddp_timeout: no effect in a single process (no process group)"]
 
@@ -98,7 +100,7 @@ def test_fp32_mean_zero_fills_missing_gradients_and_shares_the_loss_flag(ranks):
         assert got["only_rank0"] == [2.0, -1.0]  # rank 0's gradient with rank 1's zeros, halved
         assert got["nowhere"] is None
         assert got["finite"] is False  # rank 1's loss was not finite: no process updates
-        assert got["finite_tensor"] is True
+        assert got["finite_none"] is True  # no micro-batch on any process: finite
         assert got["reductions"] == 2
 
 

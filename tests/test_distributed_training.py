@@ -1,0 +1,210 @@
+"""The real trainer on 2 processes (torchrun, gloo, CPU) and on 2 "machines" of 2 processes each (localhost).
+
+One launch of ``tests/ddp_driver.py`` runs every 2-process case in turn (see its docstring for the injections); each
+process records its exit code, what it printed and its network's weights. Every launch has a timeout, so a hang
+fails the test instead of blocking the suite.
+
+The equivalence case: 2 images, 1 repeat, no augmentation. In one process with batch 2 an epoch is one batch holding
+both images; in one process with batch 1 and 2 accumulation steps it is two batches of one image, summed into one
+update; in 2 processes with batch 1 it is 2 batches, one per process. So every update of each run averages the
+gradients of the same two images (their order does not change the mean), and with their noise and timestep keyed by
+image and epoch (``noise_by_image``) and latents taken as the VAE distribution's mean, all runs see the same inputs.
+The 2-process run equals the accumulating one bit for bit (a/2 + b/2 and (a + b)/2 are the same fp32 number), and
+the batch-2 one within fp32 rounding after the first update. Later updates are not compared with batch 2: on the
+tiny random model the gradients of a batch of 2 and of two batches of 1 differ by about 3e-4 (relative norm, fp32,
+measured on its UNet and text encoder alone) and the next updates amplify it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import train_network
+from tests import ddp_driver
+from tests.library.test_distributed import LAUNCH_TIMEOUT, ROOT, launch_env, torchrun
+from tests.test_train_network import SAMPLES, train_args
+
+FULL_BF16 = ("--mixed_precision", "bf16", "--full_bf16")
+RANDOM_FEATURES = ("--gradient_accumulation_steps", "2", "--network_dropout", "0.2", "--network_args",
+                   "rank_dropout=0.2", "--flip_aug", "--noise_offset", "0.05", "--max_train_steps", "4",
+                   "--save_every_n_steps", "2", "--save_state")
+BF16_SR = (*FULL_BF16, "--optimizer_type", "StochasticAdamW", "--gradient_accumulation_steps", "2",
+           "--max_train_steps", "4", "--save_every_n_steps", "2", "--save_state")
+# plain SGD: AdamW's first steps turn the rounding noise of near-zero gradient elements into full-size updates
+EQUIVALENCE = ("--optimizer_type", "torch.optim.SGD", "--learning_rate", "1.0", "--max_train_steps", "3",
+               "--save_every_n_steps", "1")
+
+
+def two_images(root: Path) -> Path:
+    folder = root / "two" / "1_two"
+    folder.mkdir(parents=True)
+    for source in sorted((SAMPLES / "10_shapes").iterdir())[:4]:  # 2 images and their captions
+        shutil.copy(source, folder / source.name)
+    return root / "two"
+
+
+def plan(root: Path, two: Path) -> list[dict]:
+    out = root / "runs"
+    runs = [
+        ("equivalence", train_args(out / "equivalence", *EQUIVALENCE, "--train_batch_size", "1", data=two),
+         {"noise_by_image": True}),
+        ("fp32", train_args(out / "fp32", *RANDOM_FEATURES), {}),
+        # calls 0-3 are the micro-batches of updates 1 and 2 (state saved after 2); call 5 is inside update 3
+        ("fp32_interrupted", train_args(out / "fp32_interrupted", *RANDOM_FEATURES),
+         {"rank": 1, "calls": [5], "what": "sigterm"}),
+        ("fp32_resumed", train_args(out / "fp32_resumed", *RANDOM_FEATURES, "--resume",
+                                    str(out / "fp32_interrupted" / "lora-step00000002-state")), {}),
+        ("bf16", train_args(out / "bf16", *BF16_SR), {}),
+        ("bf16_resumed", train_args(out / "bf16_resumed", *BF16_SR, "--resume",
+                                    str(out / "bf16" / "lora-step00000002-state")), {}),
+        ("nan_skip", train_args(out / "nan_skip"), {"rank": 1, "calls": [1], "what": "nan"}),
+        ("nan_stop", train_args(out / "nan_stop", "--max_nan_steps", "2", "--max_train_steps", "5"),
+         {"rank": 1, "calls": [1, 2, 3, 4], "what": "nan"}),
+        ("user_error", train_args(out / "user_error"), {"rank": 1, "calls": [1], "what": "user_error"}),
+    ]
+    return [{"name": name, "args": args, "inject": inject} for name, args, inject in runs]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    two = two_images(root)
+    plan_file = root / "plan.json"
+    plan_file.write_text(json.dumps(plan(root, two)))
+    done = subprocess.run(torchrun(str(ROOT / "tests" / "ddp_driver.py"), str(plan_file), str(root / "recorded")),
+                          env=launch_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return {"root": root, "two": two, "out": root / "runs", "recorded": root / "recorded"}
+
+
+def recorded(runs, name: str) -> list[dict]:
+    """Per process: exit code, applied updates, and the lines ``train_network.main`` printed for the user (errors,
+    interruptions; not the log)."""
+    records = [json.loads((runs["recorded"] / name / f"rank{r}.json").read_text()) for r in range(2)]
+    for record in records:
+        record["stderr"] = [line for line in record["stderr"] if line.startswith(("error", "interrupted"))]
+    return records
+
+
+def replicas(runs, name: str) -> list[dict[str, torch.Tensor]]:
+    return [load_file(runs["recorded"] / name / f"rank{r}.safetensors") for r in range(2)]
+
+
+def test_two_processes_of_one_image_equal_one_process_of_two(runs, tmp_path):
+    ours = runs["out"] / "equivalence"
+    accumulating, batch_of_two = tmp_path / "accumulating", tmp_path / "batch_of_two"
+    with ddp_driver.patched({"noise_by_image": True, "losses_per_epoch": 2}, ddp_driver.Recorder()):
+        assert train_network.main(train_args(accumulating, *EQUIVALENCE, "--train_batch_size", "1",
+                                             "--gradient_accumulation_steps", "2", data=runs["two"])) == 0
+    with ddp_driver.patched({"noise_by_image": True}, ddp_driver.Recorder()):
+        assert train_network.main(train_args(batch_of_two, *EQUIVALENCE, "--train_batch_size", "2",
+                                             "--max_train_steps", "1", data=runs["two"])) == 0
+    for step in ("lora-step00000001", "lora-step00000002", "lora"):
+        a, b = load_file(ours / f"{step}.safetensors"), load_file(accumulating / f"{step}.safetensors")
+        assert a.keys() == b.keys() and not [k for k in a if not torch.equal(a[k], b[k])], step
+    first, reference = load_file(ours / "lora-step00000001.safetensors"), load_file(batch_of_two / "lora.safetensors")
+    assert first.keys() == reference.keys()
+    moved = max(t.abs().max().item() for k, t in reference.items() if "lora_up" in k)
+    assert moved > 1e-3  # lora_up starts at zero
+    worst = max((first[k] - reference[k]).abs().max().item() for k in first)
+    assert worst < 1e-6, f"largest difference {worst:.2e} (moved up to {moved:.2e})"
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "bf16_resumed", "nan_skip", "equivalence"])
+def test_every_process_ends_with_bit_identical_weights(runs, name):
+    first, second = replicas(runs, name)
+    assert first.keys() == second.keys()
+    assert not [k for k in first if not torch.equal(first[k], second[k])]
+    if name.startswith("bf16"):
+        assert {t.dtype for k, t in first.items() if "lora" in k} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("whole,resumed", [("fp32", "fp32_resumed"), ("bf16", "bf16_resumed")])
+def test_resumed_on_two_processes_equals_uninterrupted(runs, whole, resumed):
+    a = load_file(runs["out"] / whole / "lora.safetensors")
+    b = load_file(runs["out"] / resumed / "lora.safetensors")
+    assert not [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_sigterm_on_one_process_stops_both_with_the_checkpoint_intact(runs):
+    main, other = recorded(runs, "fp32_interrupted")
+    assert (main["exit"], other["exit"]) == (130, 130)
+    assert main["stderr"] == ["interrupted (process 1): the last saved checkpoint is intact"]
+    assert other["stderr"] == []
+    folder = runs["out"] / "fp32_interrupted"
+    assert sorted(p.name for p in folder.iterdir()) == ["lora-step00000002-state", "lora-step00000002.safetensors"]
+
+
+def test_a_nan_on_one_process_skips_the_update_on_both(runs):
+    for record in recorded(runs, "nan_skip"):
+        assert record["exit"] == 0
+        assert record["applied"] == [True, False, True]
+
+
+def test_max_nan_steps_stops_both_with_exit_3(runs):
+    main, other = recorded(runs, "nan_stop")
+    assert (main["exit"], other["exit"]) == (3, 3)
+    assert main["applied"] == other["applied"] == [True, False]  # the third update raised
+    assert len(main["stderr"]) == 1 and main["stderr"][0].startswith("error: 2 updates in a row")
+    assert other["stderr"] == []
+    assert (runs["out"] / "nan_stop" / "lora.safetensors").is_file()  # the last good weights
+
+
+def test_a_user_error_on_one_process_exits_2_everywhere_printed_once(runs):
+    main, other = recorded(runs, "user_error")
+    assert (main["exit"], other["exit"]) == (2, 2)
+    assert len(main["stderr"]) == 1 and main["stderr"][0].startswith("error: process 1: ")
+    assert main["stderr"][0].endswith("cannot be decoded (injected)")
+    assert other["stderr"] == []
+    assert not (runs["out"] / "user_error" / "lora.safetensors").exists()
+
+
+def test_only_the_main_process_writes_and_metadata_counts_its_share(runs):
+    folder = runs["out"] / "fp32"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "lora-state", "lora-step00000002-state", "lora-step00000002.safetensors", "lora-step00000004-state",
+        "lora-step00000004.safetensors", "lora.safetensors"]
+    with safe_open(folder / "lora.safetensors", "pt") as f:
+        meta = f.metadata()
+    # 80 images with repeats / batch 2 = 40 batches, 20 per process; 4 steps of ceil(20 / 2) = 10 per epoch
+    assert (meta["ss_num_batches_per_epoch"], meta["ss_num_epochs"], meta["ss_steps"]) == ("20", "1", "4")
+    assert meta["ss_total_batch_size"] == "8"  # batch 2 x accumulation 2 x processes 2
+    state = json.loads((folder / "lora-state" / "train_state.json").read_text())
+    assert state["trajectory"]["num_processes"] == 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_machines_of_two_processes_train_and_write_once(tmp_path):
+    out = tmp_path / "out"
+    port = str(free_port())
+    command = [*train_args(out, "--max_train_steps", "2", "--train_batch_size", "1")]
+    nodes = [subprocess.Popen(torchrun(str(ROOT / "train_network.py"), *command, extra=(
+        "--nnodes", "2", "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", port)),
+        env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=LAUNCH_TIMEOUT)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert sum(o.count("saved ") for o in outputs) == 1
+    assert "4 processes on 2 machine(s)" in outputs[0]
+    assert sorted(p.name for p in out.iterdir()) == ["lora.safetensors"]
+    with safe_open(out / "lora.safetensors", "pt") as f:
+        meta = f.metadata()
+    # 80 batches of 1 over 4 processes: 20 each (sd-scripts' len(train_dataloader)); batch 1 x 4 processes
+    assert (meta["ss_num_batches_per_epoch"], meta["ss_total_batch_size"], meta["ss_steps"]) == ("20", "4", "2")
