@@ -77,6 +77,9 @@ run_harness() {
     && echo "ok   patched files compile" || { echo "FAIL patched files do not compile"; failed=1; }
 run_harness check_optimizers.py
 run_harness check_accumulation.py
+(cd "$tree" && PYTHONPATH="$PATCH_DIR/harness" timeout 600 "$py" -m torch.distributed.run --standalone \
+    --nproc_per_node 2 "$PATCH_DIR/harness/check_accumulation_ddp.py" 2>"$work/ddp.log") \
+    || { grep -v '^\[rank' "$work/ddp.log" | tail -5; echo "FAIL 2-process accumulation checks (torchrun, gloo)"; failed=1; }
 if [[ ${SD_CHECK_E2E:-0} == 1 ]]; then
     run_harness check_e2e.py "$work/e2e"
 else

@@ -35,6 +35,7 @@ def run_check_sh(e2e: bool) -> str:
 def test_series_applies_and_passes_check_sh():
     output = run_check_sh(e2e=False)
     assert "end-to-end train_network.py run: skipped" in output, output
+    assert "ok   under DDP: .grad empty between micro-batches" in output, output  # 2 processes, gloo
 
 
 NO_E2E = ("SD_CHECK_E2E=1 is not set: the end-to-end train_network.py run (2 steps on a random-weight SD1.5, 1-2 min,"
