@@ -54,6 +54,8 @@ def two_images(root: Path) -> Path:
 
 def plan(root: Path, two: Path) -> list[dict]:
     out = root / "runs"
+    cached = root / "cached"
+    shutil.copytree(SAMPLES, cached)  # the disk cache is written beside the images
     runs = [
         ("equivalence", train_args(out / "equivalence", *EQUIVALENCE, "--train_batch_size", "1", data=two),
          {"noise_by_image": True}),
@@ -70,6 +72,10 @@ def plan(root: Path, two: Path) -> list[dict]:
         ("nan_stop", train_args(out / "nan_stop", "--max_nan_steps", "2", "--max_train_steps", "5"),
          {"rank": 1, "calls": [1, 2, 3, 4], "what": "nan"}),
         ("user_error", train_args(out / "user_error"), {"rank": 1, "calls": [1], "what": "user_error"}),
+        ("bad_input", train_args(out / "bad_input", data=root / "missing"), {}),
+        ("fused", train_args(out / "fused", "--optimizer_type", "Adafactor", "--fused_backward_pass"), {}),
+        ("disk_cache", train_args(out / "disk_cache", "--cache_latents_to_disk", "--max_train_steps", "2",
+                                  data=cached), {}),
     ]
     return [{"name": name, "args": args, "inject": inject} for name, args, inject in runs]
 
@@ -83,7 +89,8 @@ def runs(tmp_path_factory):
     done = subprocess.run(torchrun(str(ROOT / "tests" / "ddp_driver.py"), str(plan_file), str(root / "recorded")),
                           env=launch_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    return {"root": root, "two": two, "out": root / "runs", "recorded": root / "recorded"}
+    return {"root": root, "two": two, "out": root / "runs", "recorded": root / "recorded",
+            "log": done.stdout + done.stderr}
 
 
 def recorded(runs, name: str) -> list[dict]:
@@ -208,3 +215,24 @@ def test_two_machines_of_two_processes_train_and_write_once(tmp_path):
         meta = f.metadata()
     # 80 batches of 1 over 4 processes: 20 each (sd-scripts' len(train_dataloader)); batch 1 x 4 processes
     assert (meta["ss_num_batches_per_epoch"], meta["ss_total_batch_size"], meta["ss_steps"]) == ("20", "4", "2")
+
+
+def test_input_errors_of_every_process_are_printed_once(runs):
+    for name, needle in (("bad_input", "missing"), ("fused", "--fused_backward_pass with 2 processes")):
+        main, other = recorded(runs, name)
+        assert (main["exit"], other["exit"]) == (2, 2), name
+        assert main["stderr"] and all(line.startswith("error: ") for line in main["stderr"]), name
+        assert any(needle in line for line in main["stderr"]), name
+        assert other["stderr"] == [], name
+        assert not (runs["out"] / name).exists() or not any((runs["out"] / name).iterdir()), name
+
+
+def test_the_disk_latent_cache_is_shared_out_between_the_processes(runs):
+    main, other = recorded(runs, "disk_cache")
+    assert (main["exit"], other["exit"]) == (0, 0)
+    images = sorted((runs["root"] / "cached" / "10_shapes").glob("*.png"))
+    assert len(list((runs["root"] / "cached" / "10_shapes").glob("*_sd.npz"))) == len(images) == 8
+    # sd-scripts' rule: image i is encoded by process i mod 2; the main process logs its share
+    assert "caching latents: 4 to encode, 0 reused from disk (this process's share)" in runs["log"]
+    first, second = replicas(runs, "disk_cache")
+    assert not [k for k in first if not torch.equal(first[k], second[k])]
