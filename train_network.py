@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from dataclasses import replace
 
 
 def _interrupt_on_sigterm() -> None:
@@ -29,8 +30,9 @@ def _interrupt_on_sigterm() -> None:
 
 
 def _prints_errors() -> bool:
-    """Under torchrun / accelerate launch every process parses the same flags: their errors are printed by the main
-    process (``RANK`` 0) only. Errors during a run are reported to it (``library/distributed.py``)."""
+    """Under torchrun / accelerate launch every process parses the same flags: their errors are printed (and the log
+    file written) by the main process (``RANK`` 0) only. Errors during a run are reported to it
+    (``library/distributed.py``)."""
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
@@ -42,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         cfg, explicit = parse_args(sys.argv[1:] if argv is None else argv)
-        setup_logging(cfg.log)
+        # --console_log_file is the main process's; the others log their warnings to the console
+        setup_logging(cfg.log if _prints_errors() else replace(cfg.log, console_log_file=None))
         if cfg.run.output_config:
             if not cfg.run.config_file:
                 raise UserError("--output_config writes the given arguments to the --config_file path; "

@@ -56,6 +56,8 @@ def plan(root: Path, two: Path) -> list[dict]:
     out = root / "runs"
     cached = root / "cached"
     shutil.copytree(SAMPLES, cached)  # the disk cache is written beside the images
+    prompts = root / "prompts.txt"
+    prompts.write_text("a red square --w 64 --h 64 --d 1 --s 2\n", encoding="utf-8")
     runs = [
         ("equivalence", train_args(out / "equivalence", *EQUIVALENCE, "--train_batch_size", "1", data=two),
          {"noise_by_image": True}),
@@ -76,6 +78,9 @@ def plan(root: Path, two: Path) -> list[dict]:
         ("fused", train_args(out / "fused", "--optimizer_type", "Adafactor", "--fused_backward_pass"), {}),
         ("disk_cache", train_args(out / "disk_cache", "--cache_latents_to_disk", "--max_train_steps", "2",
                                   data=cached), {}),
+        ("sample_validate", train_args(out / "sample_validate", "--max_train_steps", "2", "--sample_prompts",
+                                       str(prompts), "--sample_every_n_steps", "1", "--validation_split", "0.25",
+                                       "--validate_every_n_steps", "1", "--logging_dir", str(root / "logs")), {}),
     ]
     return [{"name": name, "args": args, "inject": inject} for name, args, inject in runs]
 
@@ -235,4 +240,16 @@ def test_the_disk_latent_cache_is_shared_out_between_the_processes(runs):
     # sd-scripts' rule: image i is encoded by process i mod 2; the main process logs its share
     assert "caching latents: 4 to encode, 0 reused from disk (this process's share)" in runs["log"]
     first, second = replicas(runs, "disk_cache")
+    assert not [k for k in first if not torch.equal(first[k], second[k])]
+
+
+def test_sample_images_and_logs_are_written_once_and_validation_agrees(runs):
+    main, other = recorded(runs, "sample_validate")
+    assert (main["exit"], other["exit"]) == (0, 0)
+    samples = sorted(p.name for p in (runs["out"] / "sample_validate" / "sample").iterdir())
+    assert len(samples) == 2 and all(name.endswith(".png") for name in samples)  # 1 prompt x 2 steps, not x 2
+    assert len(list((runs["root"] / "logs").iterdir())) == 1  # one TensorBoard run folder
+    losses = [line for line in runs["log"].splitlines() if "validation loss at step" in line]
+    assert len(losses) == 2  # logged by the main process only
+    first, second = replicas(runs, "sample_validate")
     assert not [k for k in first if not torch.equal(first[k], second[k])]

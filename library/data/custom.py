@@ -33,7 +33,7 @@ import importlib
 import json
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,12 +89,21 @@ class _ShuffledEpoch(Sampler):
     def __len__(self) -> int:
         return self.length
 
-    def __iter__(self) -> Iterator[_Key]:
+    @property
+    def start(self) -> int:
+        """The first position of the epoch's order to yield (a resume mid-epoch starts later)."""
+        return self.progress.first_batch
+
+    def keys(self, positions: Iterable[int]) -> Iterator[_Key]:
+        """The keys at ``positions`` of the current epoch's order (``library/distributed.py`` deals them out)."""
         p = self.progress
         order = list(range(self.length))
         random.Random(self.seed + p.epoch).shuffle(order)
-        for index in order[p.first_batch:]:
-            yield _Key(p.epoch, index, p.step, p.max_train_steps)
+        for position in positions:
+            yield _Key(p.epoch, order[position], p.step, p.max_train_steps)
+
+    def __iter__(self) -> Iterator[_Key]:
+        return self.keys(range(self.start, self.length))
 
 
 def _tensor(batch: dict, key: str) -> torch.Tensor | None:
@@ -204,6 +213,7 @@ class CustomData:
         self.data = data
         self.datasets: list = []  # no folder datasets: the resume trajectory fingerprints none
         self.validation = None  # sd-scripts builds no validation set for a --dataset_class dataset either
+        self._share: Callable[[Sampler], Sampler] = lambda sampler: sampler
         self.progress = _Progress()
         self.source = _Adapter(dataset, name, chunks, masked_loss)
         self.seed = seed
@@ -228,10 +238,15 @@ class CustomData:
             if callable(getattr(self.source.dataset, "set_max_train_steps", None)):
                 self.source.dataset.set_max_train_steps(max_train_steps)
 
+    def shard(self, share: Callable[[Sampler], Sampler]) -> None:
+        """Load only this process's share of each epoch (``TrainData.shard``)."""
+        self._share = share
+
     def dataloader(self, num_workers: int | None = None) -> DataLoader:
         if num_workers is None:
             num_workers = min(self.data.max_data_loader_n_workers, os.cpu_count() or 1)
-        return DataLoader(self.source, batch_size=None, sampler=_ShuffledEpoch(self.progress, len(self), self.seed),
+        sampler = self._share(_ShuffledEpoch(self.progress, len(self), self.seed))
+        return DataLoader(self.source, batch_size=None, sampler=sampler,
                           num_workers=num_workers,
                           persistent_workers=self.data.persistent_data_loader_workers and num_workers > 0)
 

@@ -20,6 +20,7 @@ from library import optimizer_setup
 from library.accumulation import build_accumulation
 from library.cli import parse_args
 from library.config import OptimizerConfig, ScheduleConfig
+from library.errors import UserError
 from library.metadata import training_metadata
 from library.schedule import plan_steps
 from library.update import Updater
@@ -46,6 +47,11 @@ def upstream(images: int, batch: int, accumulation: int, processes: int, epochs:
 def test_step_arithmetic_is_sd_scripts(images, batch, accumulation, processes):
     for epochs, steps in ((None, 7), (3, 1600)):
         expected = upstream(images, batch, accumulation, processes, epochs, steps)
+        if accumulation > expected["batches"]:  # refused here: every update would see only part of a window
+            with pytest.raises(UserError, match="--gradient_accumulation_steps"):
+                plan_steps(math.ceil(images / batch), batch_size=batch, gradient_accumulation_steps=accumulation,
+                           num_processes=processes, max_train_steps=steps, max_train_epochs=epochs)
+            continue
         plan = plan_steps(math.ceil(images / batch), batch_size=batch, gradient_accumulation_steps=accumulation,
                           num_processes=processes, max_train_steps=steps, max_train_epochs=epochs)
         assert {"batches": plan.batches_per_process, "steps": plan.max_train_steps,
@@ -53,7 +59,7 @@ def test_step_arithmetic_is_sd_scripts(images, batch, accumulation, processes):
                 "total_batch": plan.effective_batch_size, "lr_steps": plan.lr_ticks} == expected
 
 
-@pytest.mark.parametrize("images,batch,accumulation,processes", [(13, 2, 2, 3), (8, 1, 4, 2), (5, 3, 1, 8)])
+@pytest.mark.parametrize("images,batch,accumulation,processes", [(13, 2, 2, 3), (8, 1, 4, 2), (9, 1, 1, 8)])
 def test_metadata_is_what_sd_scripts_writes_for_n_processes(images, batch, accumulation, processes):
     cfg, _ = parse_args(["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--train_data_dir", "x",
                          "--output_dir", "o", "--train_batch_size", str(batch), "--max_train_epochs", "2",
