@@ -154,7 +154,8 @@ def report_lines(code: int, rank: int, messages: Sequence[str]) -> list[str]:
     """What the main process prints when process ``rank`` stopped the run with ``code`` (once for all processes)."""
     where = "" if rank == 0 else f"process {rank}: "
     if code == INTERRUPTED:
-        return [f"interrupted{f' ({where[:-2]})' if where else ''}: the last saved checkpoint is intact"]
+        by = "" if rank == 0 else f" (process {rank})"
+        return [f"interrupted{by}: the last saved checkpoint is intact"]
     if code == CRASHED:
         return [f"error: {where}{message}" for message in messages] + (
             [f"error: process {rank} failed; its traceback is in its own output"] if rank else [])
@@ -242,8 +243,7 @@ class Processes:
 
     info: ProcessInfo = field(default_factory=ProcessInfo)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    _group: Any = None  # collectives on the training device
-    _control: Any = None  # status exchanges and small values, on the CPU (gloo)
+    _control: Any = None  # status exchanges and small values, on the CPU (gloo); the default group for tensors
     _owned: list = field(default_factory=list)  # groups this object created and destroys
     _signals: _Signals = field(default_factory=_Signals)
     _stopping: bool = False
@@ -295,13 +295,13 @@ class Processes:
 
     # --- sync points ------------------------------------------------------------------------------------------
 
-    def _collective(self, function: Callable[..., Any], *args, **kwargs) -> Any:
+    def _collective(self, function: Callable[..., Any], *args, **kwargs) -> None:
+        """Run a collective; one that fails leaves the group unusable, so no failure is reported through it."""
         try:
-            work = function(*args, **kwargs)
+            function(*args, **kwargs)
         except RuntimeError:
             self._broken = True
             raise
-        return work
 
     def _exchange(self, *, code: int = 0, messages: Sequence[str] = ()) -> list[int]:
         """A sync point's status exchange: every process's status code (0: fine), the same 2·N integers at every
@@ -414,7 +414,7 @@ class Processes:
         with torch.no_grad():
             for group in by_dtype.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)
-                self._collective(dist.broadcast, flat, src=0, group=self._group)
+                self._collective(dist.broadcast, flat, src=0)
                 start = 0
                 for t in group:
                     t.copy_(flat[start:start + t.numel()].view_as(t))
@@ -458,7 +458,7 @@ class Processes:
         """Sum ``flat`` (on the training device) and the host integers ``summed`` over all processes; one sync
         point."""
         with self._sync_point(summed=summed) as outcome:
-            self._collective(dist.all_reduce, flat, group=self._group)
+            self._collective(dist.all_reduce, flat)
             return outcome.summed
 
 
