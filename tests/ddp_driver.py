@@ -98,7 +98,7 @@ def patched(inject: dict, recorder: Recorder):
         recorder.network, train_te = originals["build_network"](*args, **kwargs)
         return recorder.network, train_te
 
-    def noise(latents, cfg, generator):
+    def noise(latents, cfg, generator, *args):
         return torch.cat([torch.randn((1, *latents.shape[1:]), generator=g) for g in current["generators"]])
 
     def timesteps(batch_size, cfg, generator, device, *args):
