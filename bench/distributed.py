@@ -70,7 +70,7 @@ def reduction_worker(runs: int, out: Path) -> None:
                 p.grad = torch.randn(p.shape, generator=generator).to(dtype)
             dist.barrier()
             start = time.perf_counter()
-            reducer.reduce(True)
+            reducer.reduce(torch.tensor(True))
             timings["reduce"].append(time.perf_counter() - start)
             dist.barrier()
             start = time.perf_counter()
