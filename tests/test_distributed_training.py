@@ -253,3 +253,23 @@ def test_sample_images_and_logs_are_written_once_and_validation_agrees(runs):
     assert len(losses) == 2  # logged by the main process only
     first, second = replicas(runs, "sample_validate")
     assert not [k for k in first if not torch.equal(first[k], second[k])]
+
+
+def test_one_plain_process_makes_no_process_group(tmp_path, monkeypatch):
+    """``python train_network.py`` without torchrun's environment trains as it did before several processes existed:
+    nothing of ``torch.distributed`` is called, not even to form a group of one."""
+    import torch.distributed as dist
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"torch.distributed.{name} called in a single process")
+        return call
+
+    for name in ("init_process_group", "new_group", "all_reduce", "all_gather", "broadcast", "barrier"):
+        monkeypatch.setattr(dist, name, refuse(name))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert train_network.main(train_args(tmp_path, "--max_train_steps", "2", "--gradient_accumulation_steps", "2",
+                                         "--save_every_n_steps", "1", "--save_state", "--cache_latents")) == 0
+    assert not dist.is_initialized()
+    assert (tmp_path / "lora-step00000001-state").is_dir() and (tmp_path / "lora.safetensors").is_file()
