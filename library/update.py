@@ -4,12 +4,12 @@ The order per update is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md §4.2): gradients co
 accumulation strategy restores ``.grad``), the mean over the processes (``library/distributed.py``, which also
 sums their loss flags, so that every process decides alike), clip to ``--max_grad_norm``, optimizer step,
 scheduler step (once per process, as accelerate ticks it), ``zero_grad(set_to_none=True)``, then max-norm
-regularization. Where we do better: a non-finite loss or
-gradient norm skips the update before any weight is written (stochastic rounding could otherwise turn
-some NaNs into finite numbers, OPTIMIZERS.md §3), and ``--max_nan_steps`` such updates in a row stop the
-run with the last good weights intact. Weights that become non-finite in an update whose loss and gradient were
-finite (an fp16 weight overflowing, a division by zero in the optimizer) stop the run at once: nothing is saved
-from them (``TrainingDiverged(weights_intact=False)``); the last file written before stays the last good one.
+regularization. Where we do better: a non-finite loss or gradient norm skips the update before any weight is
+written (stochastic rounding could otherwise turn some NaNs into finite numbers, OPTIMIZERS.md §3), and
+``--max_nan_steps`` such updates in a row stop the run with the last good weights intact. Weights that become
+non-finite in an update whose loss and gradient were finite (an fp16 weight overflowing, a division by zero in the
+optimizer) stop the run at once: nothing is saved from them (``TrainingDiverged(weights_intact=False)``); the
+last file written before stays the last good one.
 Chosen over keeping a copy of the last good weights: the copy would cost one more LoRA in device memory (SD1.5
 rank 16, U-Net and text encoder: 9.4 M parameters, 36 MiB in fp32, 18 MiB in bf16; it grows with the rank) and a
 copy per update, yet without the optimizer state, which overflows with the weights, the run could not
@@ -18,7 +18,9 @@ go on from it; the files saved before already hold good weights.
 No host sync per micro-batch: the loss, its finite flag and the gradient norm stay on the device, and each update
 reads them once (``library/readout.py``), right before the host decides whether the optimizer steps. The weights
 check and the ``--scale_weight_norms`` statistics of an update are read with the next update's values (or before a
-save, and at the end), so they cost no read of their own.
+save, and at the end), so they cost no read of their own. With several processes the reduction adds, once per
+update, a status exchange of host integers and the all-reduce of one device buffer that also sums the processes'
+loss flags, so the update's one read still decides for every process alike.
 
 Under ``--fused_backward_pass`` (one micro-batch per update) each tensor is clipped (per tensor, as sd-scripts'
 fused Adafactor does) and stepped inside backward; a tensor whose gradient is non-finite (or all of them, when the
