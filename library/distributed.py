@@ -311,9 +311,9 @@ class Processes:
         if self._signals.take_pending() and not code:
             code, messages = INTERRUPTED, []
         text = "\n".join(messages).encode()
-        values = torch.zeros(2 * world, dtype=torch.int64)
-        values[self.rank] = code
-        values[world + self.rank] = len(text)
+        status = [0] * (2 * world)
+        status[self.rank], status[world + self.rank] = code, len(text)
+        values = torch.tensor(status, dtype=torch.int64)  # host integers: reading them back waits for no device
         self._collective(dist.all_reduce, values, group=self._control)
         codes, lengths = values[:world].tolist(), values[world:].tolist()
         if any(codes):
@@ -326,11 +326,9 @@ class Processes:
     def _values(self, own: Sequence[int], summed: Sequence[int]) -> Exchange:
         """Every process's ``own`` integers (the same count everywhere) and the sums of ``summed``."""
         world, width = self.world_size, len(own)
-        values = torch.zeros(world * width + len(summed), dtype=torch.int64)
-        if width:
-            values[self.rank * width:(self.rank + 1) * width] = torch.tensor(own, dtype=torch.int64)
-        if summed:
-            values[world * width:] = torch.tensor(summed, dtype=torch.int64)
+        mine = [0] * (world * width)
+        mine[self.rank * width:(self.rank + 1) * width] = own
+        values = torch.tensor(mine + list(summed), dtype=torch.int64)  # host integers
         self._collective(dist.all_reduce, values, group=self._control)
         values = values.tolist()
         return Exchange([values[r * width:(r + 1) * width] for r in range(world)], values[world * width:])

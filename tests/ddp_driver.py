@@ -9,7 +9,8 @@ weights at the end). One process group (made here, adopted by ``library/distribu
 
 Injections (``inject``): ``{"rank": r, "calls": [i, ...], "what": "nan" | "user_error" | "sigterm"}`` makes the
 ``i``-th loss computation (0-based, counted per process and run) of process ``r`` return NaN, raise a UserError, or
-send the process SIGTERM; ``"noise_by_image": true`` draws each image's noise and timestep from a generator keyed
+send the process SIGTERM; ``"count_syncs": true`` records the host syncs of each micro-batch and update window
+(``tests/test_loop_syncs.py``); ``"noise_by_image": true`` draws each image's noise and timestep from a generator keyed
 by its file name and the loss computation's index (the epoch, when each process computes one loss per epoch), and
 encodes latents as the VAE distribution's mean, so that a batch of two images in one process and one image in each
 of two processes see the same inputs.
@@ -119,15 +120,24 @@ def patched(inject: dict, recorder: Recorder):
 
 def run_one(args: list[str], inject: dict, out: Path, rank: int) -> None:
     """One ``train_network.main`` run; writes what this process saw."""
+    import pytest
     from safetensors.torch import save_file
+
+    from tests.test_loop_syncs import counting
 
     recorder = Recorder()
     stderr = io.StringIO()
-    with patched(inject, recorder), contextlib.redirect_stderr(stderr):
+    record: dict = {}
+    with contextlib.ExitStack() as stack:
+        if inject.get("count_syncs"):
+            micro, windows = stack.enter_context(counting(stack.enter_context(pytest.MonkeyPatch.context())))
+            record = {"micro_syncs": micro, "window_syncs": windows}
+        stack.enter_context(patched(inject, recorder))
+        stack.enter_context(contextlib.redirect_stderr(stderr))
         code = train_network.main(args)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"exit": code, "stderr": stderr.getvalue().splitlines(),
-                                                      "applied": recorder.applied}))
+                                                      "applied": recorder.applied, **record}))
     if recorder.network is not None:
         weights = {k: v.detach().cpu().contiguous() for k, v in recorder.network.state_dict().items()}
         save_file(weights, str(out / f"rank{rank}.safetensors"))

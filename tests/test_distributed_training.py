@@ -78,6 +78,9 @@ def plan(root: Path, two: Path) -> list[dict]:
         ("fused", train_args(out / "fused", "--optimizer_type", "Adafactor", "--fused_backward_pass"), {}),
         ("disk_cache", train_args(out / "disk_cache", "--cache_latents_to_disk", "--max_train_steps", "2",
                                   data=cached), {}),
+        ("syncs", train_args(out / "syncs", *FULL_BF16, "--optimizer_type", "StochasticAdamW", "--max_grad_norm",
+                             "1", "--gradient_accumulation_steps", "2", "--max_train_steps", "3"),
+         {"count_syncs": True}),
         ("sample_validate", train_args(out / "sample_validate", "--max_train_steps", "2", "--sample_prompts",
                                        str(prompts), "--sample_every_n_steps", "1", "--validation_split", "0.25",
                                        "--validate_every_n_steps", "1", "--logging_dir", str(root / "logs")), {}),
@@ -273,3 +276,13 @@ def test_one_plain_process_makes_no_process_group(tmp_path, monkeypatch):
                                          "--save_every_n_steps", "1", "--save_state", "--cache_latents")) == 0
     assert not dist.is_initialized()
     assert (tmp_path / "lora-step00000001-state").is_dir() and (tmp_path / "lora.safetensors").is_file()
+
+
+def test_no_host_sync_per_micro_batch_and_one_per_update_on_two_processes(runs):
+    """As ``test_loop_syncs.py`` in one process: the reduction reads nothing from the device (its status exchange
+    and presence counts are host integers); the summed finite flag is read with the update's one read."""
+    for record in recorded(runs, "syncs"):
+        assert record["exit"] == 0
+        assert len(record["window_syncs"]) == 3 and len(record["micro_syncs"]) == 6
+        assert all(found == [] for found in record["micro_syncs"]), record["micro_syncs"]
+        assert all(len(found) <= 1 for found in record["window_syncs"]), record["window_syncs"]

@@ -9,6 +9,8 @@ was made sync-free the same count was 3 per micro-batch and 1 more per update (7
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,9 +24,11 @@ from tests.sync_counter import SyncCounter, device_copy
 from tests.test_train_network import train_args
 
 
-def count_syncs(monkeypatch, out: Path, *extra: str) -> tuple[list[list[str]], list[list[str]]]:
-    """Train with ``extra`` flags; the syncs of each micro-batch and of each update window (from the end of one
-    update to the end of the next, the first window from the loop's start)."""
+@contextmanager
+def counting(monkeypatch) -> Iterator[tuple[list[list[str]], list[list[str]]]]:
+    """Inside the block, every training run's syncs of each micro-batch and of each update window (from the end of
+    one update to the end of the next, the first window from the loop's start). ``tests/ddp_driver.py`` uses it in
+    each process of a multi-process run."""
     counter = SyncCounter()
     micro: list[list[str]] = []
     windows: list[list[str]] = []
@@ -66,7 +70,13 @@ def count_syncs(monkeypatch, out: Path, *extra: str) -> tuple[list[list[str]], l
     monkeypatch.setattr(run, "train_loop", counted_loop)
     monkeypatch.setattr(train_module, "_iterate", loading_paused)
     monkeypatch.setattr(step, "to_device", lambda tensor, device: device_copy(to_device(tensor, device)))
-    assert train_network.main(train_args(out, "--max_train_steps", "3", *extra)) == 0
+    yield micro, windows
+
+
+def count_syncs(monkeypatch, out: Path, *extra: str) -> tuple[list[list[str]], list[list[str]]]:
+    """Train with ``extra`` flags; the syncs of each micro-batch and of each update window (``counting``)."""
+    with counting(monkeypatch) as (micro, windows):
+        assert train_network.main(train_args(out, "--max_train_steps", "3", *extra)) == 0
     return micro, windows
 
 
