@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -26,8 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+from common import ROOT, machine, reproduce_command
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODULES, RANK, WIDTH = 192, 16, 1104
@@ -126,8 +125,7 @@ def main() -> int:
                                        Path(tmp)))
             double.append(step_seconds(_torchrun(*trainer_args(Path(tmp) / f"two{repeat}", args.steps)), Path(tmp)))
 
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 thread per process; "
-          f"python {platform.python_version()}, torch {torch.__version__}, gloo")
+    print(f"{machine()}; gloo, 1 thread per process")
     print(f"\n### Gradient reduction per update, 2 processes ({reduction['tensors']} tensors, "
           f"{reduction['elements'] / 1e6:.2f} M elements; median of {args.runs})\n")
     print("| dtype | reduce (all of it) ms | status exchange ms | all-reduce of the buffer ms |")
@@ -144,7 +142,7 @@ def main() -> int:
     print(f"| 2 | {s2:.3f} | {(s2 - s1) * 1000:+.0f} ms ({(s2 / s1 - 1) * 100:+.0f} %) |")
     print(f"\nruns: 1 process {', '.join(f'{v:.3f}' for v in single)}; 2 processes "
           f"{', '.join(f'{v:.3f}' for v in double)}")
-    print(f"\n{' '.join(['OMP_NUM_THREADS=1', '.venv/bin/python', 'bench/distributed.py', *sys.argv[1:]])}")
+    print(f"\n{reproduce_command('distributed.py')}")
     return 0
 
 
