@@ -1,20 +1,31 @@
-"""Optimizer step time and persistent state per parameter on the SD1.5 LoRA shapes (rank 16, 192 modules).
+"""Optimizer step cost on the SD1.5 LoRA shapes: step time, dispatched aten ops, host syncs, state per parameter.
 
-Every registered optimizer (default options, bf16 and fp32 parameters) side by side with ``torch.optim.AdamW``
-(foreach) and ``torchastic.AdamW`` as references, plus a few option variants (StochasticAdamW eager, AdamW through
-the stochastic-rounding wrapper). Only ``optimizer.step()`` is timed (gradients are fixed random tensors set before
-each step); the first ``--warmup`` steps (which include state allocation and any ``torch.compile``) are not counted.
-State bytes are the optimizer's persistent tensors after the steps divided by the number of trainable parameters.
-SPARKLES' host reads (Tensor.item/tolist/__bool__/...) per step are counted on the side (decision (d): at most 1).
+Shapes: kohya's default LoRA targets of SD1.5 at rank 16, U-Net (the 192 Linear/1x1-conv modules of the 16
+transformer blocks) and text encoder (the 72 attention/MLP Linear modules of CLIP ViT-L's 12 layers): 528 tensors.
+Every registered optimizer runs with default options, bf16 and fp32 parameters, beside ``torch.optim.AdamW``
+(foreach) and ``torchastic.AdamW`` as references and a few option variants, in three gradient cases:
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/optimizers.py --repeats 5
+* ``all``: every tensor has a gradient every step;
+* ``missing``: the 12 tensors of the last text-encoder layer never get one (``--clip_skip 2``);
+* ``rotating``: every module is dropped with probability 0.1, a different subset each step (``module_dropout``).
+
+Only ``optimizer.step()`` is timed (gradients are fixed random tensors set before each step); the first ``--warmup``
+steps (state allocation, any ``torch.compile``) are not counted. Ops and syncs are counted by a second run of the
+same steps plus one under ``tests/optimizers/counting.py`` (a ``TorchDispatchMode``; see there what counts as a
+sync), for that last step: they predict the kernel launches and host stalls of the same step on a GPU. "(N host)"
+are reads of host tensors (torch.optim's step counters), "(N up)" tensors made from Python data. State bytes are the
+optimizer's persistent tensors after the steps divided by the number of trainable parameters.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/optimizers.py --repeats 7
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -28,16 +39,21 @@ from torch.optim import Optimizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from optimizers import REGISTRY, StochasticRoundingWrapper, build_optimizer  # noqa: E402
+from tests.optimizers.counting import Counting  # noqa: E402
 
 RANK = 16
 CROSS_ATTENTION_DIM = 768
+TEXT_WIDTH, TEXT_LAYERS = 768, 12
 # SD1.5 UNet transformer blocks: down blocks 320/640/1280 (2 each), mid 1280 (1), up 1280/640/320 (3 each).
 BLOCK_CHANNELS = [320] * 2 + [640] * 2 + [1280] * 2 + [1280] + [1280] * 3 + [640] * 3 + [320] * 3
 PACKAGES = ["torch", "bitsandbytes", "dadaptation", "prodigyopt", "transformers", "lion-pytorch", "torchastic"]
+CASES = ("all", "missing", "rotating")
+DROPOUT = 0.1
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def lora_module_shapes() -> list[tuple[int, int]]:
-    """(out, in) of the 192 LoRA-targeted Linear/1x1-conv modules of the SD1.5 UNet."""
+    """(out, in) of the 264 LoRA-targeted modules: U-Net transformer blocks, then the text encoder layers."""
     shapes = []
     for channels in BLOCK_CHANNELS:
         shapes += [(channels, channels)] * 2  # proj_in, proj_out (1x1 conv in SD1.5, treated as [out, in])
@@ -45,6 +61,9 @@ def lora_module_shapes() -> list[tuple[int, int]]:
         shapes += [(channels, channels), (channels, CROSS_ATTENTION_DIM), (channels, CROSS_ATTENTION_DIM)]
         shapes += [(channels, channels)]  # attn2 to_out.0
         shapes += [(2 * 4 * channels, channels), (channels, 4 * channels)]  # ff.net.0.proj (GEGLU), ff.net.2
+    for _ in range(TEXT_LAYERS):
+        shapes += [(TEXT_WIDTH, TEXT_WIDTH)] * 4  # self_attn q/k/v/out_proj
+        shapes += [(4 * TEXT_WIDTH, TEXT_WIDTH), (TEXT_WIDTH, 4 * TEXT_WIDTH)]  # mlp fc1, fc2
     return shapes
 
 
@@ -56,6 +75,17 @@ def lora_parameters(dtype: torch.dtype) -> list[torch.nn.Parameter]:
         for shape in ((RANK, in_features), (out_features, RANK)):
             params.append(torch.nn.Parameter((torch.randn(shape, generator=generator) * 0.01).to(dtype)))
     return params
+
+
+def with_gradient(case: str, count: int, step: int) -> list[bool]:
+    """Which of ``count`` tensors get a gradient at ``step`` (tensors come in down/up pairs, one pair per module)."""
+    if case == "all":
+        return [True] * count
+    if case == "missing":
+        return [True] * (count - 12) + [False] * 12
+    chooser = random.Random(step)
+    kept = [chooser.random() >= DROPOUT for _ in range(count // 2)]
+    return [keep for keep in kept for _ in range(2)]
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -71,50 +101,54 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
 
 def state_bytes(optimizer: Optimizer) -> int:
     """Bytes of distinct storages held in the optimizer state (views of one flat buffer counted once)."""
-    inner = optimizer.inner if isinstance(optimizer, StochasticRoundingWrapper) else optimizer
+    holders: list[Any] = [dict(optimizer.state)]
+    if isinstance(optimizer, StochasticRoundingWrapper):
+        holders = [dict(optimizer.inner.state), optimizer.persistent_tensors()]
     storages = {}
-    for tensor in tensors_in(dict(inner.state)):
+    for tensor in tensors_in(holders):
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 
-def measure(build: Callable[[list[torch.nn.Parameter]], Optimizer], dtype: torch.dtype, warmup: int,
-            repeats: int) -> tuple[float, float]:
-    params = lora_parameters(dtype)
-    generator = torch.Generator().manual_seed(1)
-    grads = [(torch.randn(p.shape, generator=generator) * 1e-3).to(dtype) for p in params]
-    optimizer = build(params)
+class Case:
+    """A fresh optimizer on fresh parameters with fixed random gradients, stepped under one gradient case."""
+
+    def __init__(self, build: Callable[[list[torch.nn.Parameter]], Optimizer], dtype: torch.dtype,
+                 case: str) -> None:
+        self.params = lora_parameters(dtype)
+        generator = torch.Generator().manual_seed(1)
+        self.grads = [(torch.randn(p.shape, generator=generator) * 1e-3).to(dtype) for p in self.params]
+        self.optimizer = build(self.params)
+        self.case = case
+
+    def steps(self, count: int) -> Iterator[Callable[[], Any]]:
+        """Set the gradients of each step in turn and yield the step function (to be called once)."""
+        for index in range(count):
+            present = with_gradient(self.case, len(self.params), index)
+            for param, grad, has in zip(self.params, self.grads, present, strict=True):
+                param.grad = grad.clone() if has else None
+            yield self.optimizer.step
+
+
+def measure(build: Callable[[list[torch.nn.Parameter]], Optimizer], dtype: torch.dtype, case: str, warmup: int,
+            repeats: int) -> dict[str, float]:
+    """Median ms per step; ops, syncs, host reads and uploads of the step after the timed ones; state per param."""
     times = []
-    for index in range(warmup + repeats):
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad.clone()
+    timed = Case(build, dtype, case)
+    for index, step in enumerate(timed.steps(warmup + repeats)):
         start = time.perf_counter()
-        optimizer.step()
+        step()
         if index >= warmup:
             times.append(time.perf_counter() - start)
-    numel = sum(p.numel() for p in params)
-    return statistics.median(times) * 1000, state_bytes(optimizer) / numel
-
-
-def sparkles_host_reads(dtype: torch.dtype) -> int:
-    """Host reads during one SPARKLES step after the first (the kick distance exists from step 2)."""
-    params = lora_parameters(dtype)
-    optimizer = build_optimizer("SPARKLES", params, 1e-4)
-    reads = []
-    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "__float__", "__int__")}
-    for step in range(2):
-        for param in params:
-            param.grad = torch.full_like(param, 1e-3)
-        if step == 1:
-            for name, original in originals.items():
-                setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
-        try:
-            optimizer.step()
-        finally:
-            for name, original in originals.items():
-                setattr(torch.Tensor, name, original)
-    return len(reads)
+    state = state_bytes(timed.optimizer) / sum(p.numel() for p in timed.params)
+    with Counting() as counter:
+        for step in Case(build, dtype, case).steps(warmup + repeats + 1):
+            counter.next_step()
+            step()
+    cost = counter.cost
+    return {"ms": statistics.median(times) * 1000, "ops": cost.op_count, "syncs": len(cost.syncs),
+            "host_reads": cost.host_reads, "uploads": cost.uploads, "state": state}
 
 
 def candidates() -> list[tuple[str, Callable[[list[torch.nn.Parameter]], Optimizer]]]:
@@ -127,10 +161,12 @@ def candidates() -> list[tuple[str, Callable[[list[torch.nn.Parameter]], Optimiz
     for spec in REGISTRY.values():
         lr = 1.0 if spec.lr_free else 1e-4
         rows.append((spec.name, lambda p, name=spec.name, lr=lr: build_optimizer(name, p, lr)))
-    rows.append(("StochasticAdamW compiled=False", lambda p: build_optimizer("StochasticAdamW", p, 1e-4,
-                                                                            compiled=False)))
+    for name in ("StochasticAdamW", "Compass", "SPARKLES"):
+        rows.append((f"{name} compiled=False", lambda p, name=name: build_optimizer(name, p, 1e-4, compiled=False)))
     rows.append(("AdamW stochastic_rounding=True", lambda p: build_optimizer("AdamW", p, 1e-4,
                                                                            stochastic_rounding=True)))
+    rows.append(("AdamW foreach=True stochastic_rounding=True",
+                 lambda p: build_optimizer("AdamW", p, 1e-4, foreach=True, stochastic_rounding=True)))
     return rows
 
 
@@ -145,11 +181,24 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def cell(build: Callable[[list[torch.nn.Parameter]], Optimizer], dtype: torch.dtype, case: str,
+         args: argparse.Namespace) -> tuple[list[str], str]:
+    try:
+        result = measure(build, dtype, case, args.warmup, args.repeats)
+    except Exception as error:  # a reference refusing a dtype is a result, not a failure
+        return [f"n/a ({type(error).__name__})", "-", "-"], "-"
+    uploads = f" ({result['uploads']} up)" if result["uploads"] else ""
+    reads = f" ({result['host_reads']} host)" if result["host_reads"] else ""
+    return [f"{result['ms']:.1f}", f"{result['ops']}{uploads}", f"{result['syncs']}{reads}"], f"{result['state']:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None, help="row names to run (default: all)")
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
+    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
     args = parser.parse_args()
     torch.set_num_threads(1)
     params = lora_parameters(torch.float32)
@@ -159,28 +208,31 @@ def main() -> None:
             versions.append(f"{package} {importlib.metadata.version(package)}")
         except importlib.metadata.PackageNotFoundError:
             versions.append(f"{package} (not installed)")
-    print(f"Machine: {cpu_name()}, {platform.system()} {platform.release()}, Python {platform.python_version()}")
+    print(f"Machine: {cpu_name()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
+          f"Python {platform.python_version()}; load average at start {os.getloadavg()[0]:.2f}")
     print(f"Threads: {torch.get_num_threads()}; versions: {', '.join(versions)}")
-    print(f"Shapes: SD1.5 UNet LoRA rank {RANK}, {len(lora_module_shapes())} modules, {len(params)} tensors, "
-          f"{sum(p.numel() for p in params):,} parameters")
-    print(f"Median of {args.repeats} steps after {args.warmup} warm-up steps; command: "
+    print(f"Shapes: SD1.5 LoRA rank {RANK} (U-Net + text encoder), {len(lora_module_shapes())} modules, "
+          f"{len(params)} tensors, {sum(p.numel() for p in params):,} parameters")
+    print(f"Median of {args.repeats} steps after {args.warmup} warm-up steps; ops/syncs of one more step; command: "
           f"OMP_NUM_THREADS=1 .venv/bin/python bench/optimizers.py {' '.join(sys.argv[1:])}".rstrip())
+    rows = [(name, build) for name, build in candidates() if not args.only or name in args.only]
+    for case in args.cases:
+        print()
+        print(f"### case `{case}`")
+        print()
+        header = ["optimizer"]
+        for label in args.dtypes:
+            header += [f"{label} ms/step", f"{label} ops", f"{label} syncs", f"{label} state B/param"]
+        print(f"| {' | '.join(header)} |")
+        print(f"|---|{'---:|' * (len(header) - 1)}")
+        for name, build in rows:
+            cells = []
+            for label in args.dtypes:
+                values, state = cell(build, DTYPES[label], case, args)
+                cells += [*values, state]
+            print(f"| {name} | {' | '.join(cells)} |", flush=True)
     print()
-    print("| optimizer | bf16 ms/step | bf16 state B/param | fp32 ms/step | fp32 state B/param |")
-    print("|---|---:|---:|---:|---:|")
-    for name, build in candidates():
-        if args.only and name not in args.only:
-            continue
-        cells = []
-        for dtype in (torch.bfloat16, torch.float32):
-            try:
-                milliseconds, per_param = measure(build, dtype, args.warmup, args.repeats)
-                cells += [f"{milliseconds:.1f}", f"{per_param:.2f}"]
-            except Exception as error:  # a reference refusing a dtype is a result, not a failure
-                cells += [f"n/a ({type(error).__name__})", "-"]
-        print(f"| {name} | {' | '.join(cells)} |", flush=True)
-    print()
-    print(f"SPARKLES host reads in one step (bf16, after the first): {sparkles_host_reads(torch.bfloat16)}")
+    print(f"Load average at the end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

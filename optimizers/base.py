@@ -1,17 +1,26 @@
-"""Shared machinery of the in-project optimizers (StochasticAdamW, Compass, SPARKLES).
+"""Shared machinery of the in-project optimizers (StochasticAdamW, Compass, SPARKLES): multi-tensor steps.
 
-Each optimizer works per parameter on fp32 working copies of the parameter and its state and writes everything back
-once at the end of the step: with stochastic rounding (``optimizers.rounding``) when the tensor is bf16 and
-``stochastic_rounding`` is on, round-to-nearest when it is off, a plain copy for fp32. Weight decay is applied to the
-fp32 copy before that single write-back (decision (e)); the gradient is never modified in place.
+A step costs a constant number of ops whatever the number of tensors (``optimizers.layout``): the tensors of a param
+group (per device and dtype) live in flat buffers, gradients and parameters are copied in and out with one
+``_foreach_copy_`` each, and the update runs over all of them at once as fp32 arithmetic on the buffers. Anything
+that differs per tensor (its step count, hence its bias corrections; whether it has a gradient this step) comes as a
+small per-tensor table built on the host from each parameter's ``state["step"]`` (a Python int, as in Torchastic)
+and uploaded once per step: a tensor without a gradient (``--clip_skip``, module dropout) keeps its state and step
+unchanged, and the others are corrected with their own step counts, exactly as when each tensor is stepped alone.
+The write-back of each buffer happens once per step: stochastic rounding (``optimizers.rounding``) when the tensor is
+bf16 and stochastic rounding is on, round-to-nearest when it is off, a plain copy for fp32; weight decay acts on the
+fp32 values before it (decision (e)); the gradient is never modified.
 
-Random bits come from a generator seeded from (group ``seed``, the parameter's step, its index in the optimizer, a
-stream number), so a resumed run draws exactly the bits the uninterrupted one would have drawn.
-``step_parameter(p)`` steps one parameter, for ``--fused_backward_pass`` (call it from a post-accumulate-grad hook).
+Random bits come from ``rounding.element_bits``: a hash of (element index in its tensor, the tensor's step, a seed
+from the group ``seed`` and the parameter's index in the optimizer), so a resumed run draws exactly the bits the
+uninterrupted one would have drawn and ``step_parameter(p)`` (``--fused_backward_pass``: step one tensor from a
+post-accumulate-grad hook) draws exactly those of ``step()``. In eager mode the multi-tensor step is bitwise equal to
+stepping every tensor alone; the fused ``torch.compile`` path (``compiled``) agrees to fp32 rounding.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,7 +28,11 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from optimizers.rounding import copy_stochastic_, seeded_generator, step_seed
+from optimizers.layout import FlatLayout, RowRule, Span, to_device
+from optimizers.rounding import tensor_seed
+
+AUTO_NUMEL = 1 << 20
+_compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
 def check_betas(betas: Any, count: int, name: str) -> tuple[float, ...]:
@@ -33,14 +46,6 @@ def check_betas(betas: Any, count: int, name: str) -> tuple[float, ...]:
     return tuple(float(beta) for beta in betas)
 
 
-def centralize(grad: Tensor, strength: float) -> Tensor:
-    """``grad - strength * mean(grad over dims 1..n)`` (1-D: the global mean); returns a new tensor."""
-    if strength == 0:
-        return grad
-    dims = tuple(range(1, grad.dim())) if grad.dim() > 1 else tuple(range(grad.dim()))
-    return grad - strength * grad.mean(dim=dims, keepdim=True)
-
-
 def run_closure(closure: Callable[[], Any] | None) -> Any:
     """``Optimizer.step``'s closure convention: re-evaluate the loss with gradients enabled, or return None."""
     if closure is None:
@@ -49,14 +54,31 @@ def run_closure(closure: Callable[[], Any] | None) -> Any:
         return closure()
 
 
+def compiled_kernel(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile(kernel)``, built once per kernel function."""
+    if kernel not in _compiled:
+        _compiled[kernel] = torch.compile(kernel)
+    return _compiled[kernel]
+
+
 class SROptimizer(Optimizer):
-    """Base class: per-parameter fp32 update, one write-back per tensor, SR for bf16, ``step_parameter``."""
+    """Base class: multi-tensor fp32 update over flat buffers, one rounded write-back per buffer, ``step_parameter``.
+
+    Subclasses give ``state_names``, ``rules`` (row statistics they need), ``scalars`` (the per-tensor floats of a
+    step) and ``update`` (the arithmetic, on a ``Batch``). ``compiled``: None (default) runs the update through
+    ``torch.compile`` for spans of at least ``AUTO_NUMEL`` elements (falling back to eager with a warning if
+    compiling fails); True always compiles and raises on failure; False never compiles.
+    """
 
     state_names: tuple[str, ...] = ("ema", "ema_squared")
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], compiled: bool | None = None) -> None:
         self._index: dict[Tensor, int] = {}
         self._group_of: dict[Tensor, dict[str, Any]] = {}
+        self._layouts: dict[int, tuple[tuple, list[FlatLayout]]] = {}
+        self._seeds: dict[tuple[int, int], int] = {}
+        self.compiled = compiled
+        self._compile_failed = False
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -68,18 +90,29 @@ class SROptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self._layouts = {}
         for group in self.param_groups:
             for param in group["params"]:
                 self._group_of[param] = group
 
+    def persistent_tensors(self) -> list[Tensor]:
+        """Every tensor the optimizer keeps between steps (flat buffers and their index tables)."""
+        kept = []
+        for _, layouts in self._layouts.values():
+            for layout in layouts:
+                kept += [layout.p_flat, layout.g_flat, *layout.states.values(), layout.chunk_tensor,
+                         layout.chunk_base, layout.tensor_chunks]
+        return kept
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Step every parameter that has a gradient."""
+        """Step every parameter that has a gradient: one multi-tensor update per group (per device and dtype)."""
         loss = run_closure(closure)
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._step_one(param, group)
+        for index, group in enumerate(self.param_groups):
+            for layout in self._layouts_of(index, group):
+                active = [i for i, param in enumerate(layout.params) if param.grad is not None]
+                if active:
+                    self._step_span(group, layout, layout.span(0, len(layout.params)), active)
         return loss
 
     @torch.no_grad()
@@ -88,43 +121,121 @@ class SROptimizer(Optimizer):
         group = self._group_of.get(param)
         if group is None:
             raise ValueError(f"{type(self).__name__}.step_parameter: this tensor is not one of the optimizer's params")
-        if param.grad is not None:
-            self._step_one(param, group)
+        if param.grad is None:
+            return
+        index = next(i for i, candidate in enumerate(self.param_groups) if candidate is group)
+        layout = next(layout for layout in self._layouts_of(index, group) if param in layout.index)
+        position = layout.index[param]
+        self._step_span(group, layout, layout.span(position, position + 1), [position])
 
-    def _init_state(self, param: Tensor, state: dict[str, Any]) -> None:
-        state["step"] = 0
-        for name in self.state_names:
-            state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    def rules(self, group: dict[str, Any]) -> dict[str, RowRule]:
+        """Row kinds the update needs for ``group`` (kind -> row length of a tensor); none by default."""
+        return {}
 
-    def _generator(self, param: Tensor, group: dict[str, Any], step: int, stream: int) -> torch.Generator:
-        return seeded_generator(param.device, step_seed(group["seed"], step, self._index[param], stream))
+    def scalars(self, group: dict[str, Any], step: int, param: Tensor) -> tuple[float, ...]:
+        """Per-tensor floats of one step (the table columns before the "has a gradient" flag)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement scalars")
 
-    def _write(self, target: Tensor, value: Tensor, group: dict[str, Any], generator: torch.Generator) -> None:
-        """Write an fp32 result into ``target``: SR (bf16, option on), round-to-nearest (option off) or copy."""
-        if target.dtype == torch.bfloat16 and group["stochastic_rounding"]:
-            copy_stochastic_(target, value, generator)
-        else:
-            target.copy_(value)
+    def scalar_key(self, group: dict[str, Any], param: Tensor) -> Any:
+        """What besides the step ``scalars`` depends on (tensors with equal keys share their row)."""
+        return None
 
-    def _working_copies(self, param: Tensor) -> tuple[dict[str, Any], Tensor, Tensor, Tensor, Tensor]:
-        """Count the step; return the state and fp32 copies of the parameter, its gradient and both moments."""
-        state = self.state[param]
-        if not state:
-            self._init_state(param, state)
-        state["step"] += 1
-        theta = param.detach().to(torch.float32, copy=True)
-        grad = param.grad.detach().to(torch.float32, copy=True)
-        m = state["ema"].to(torch.float32, copy=True)
-        v = state["ema_squared"].to(torch.float32, copy=True)
-        return state, theta, grad, m, v
+    def update(self, group: dict[str, Any], batch: Batch) -> None:
+        """The arithmetic of one step on ``batch``; writes ``batch.p`` and the state blocks."""
+        raise NotImplementedError(f"{type(self).__name__} must implement update")
 
-    def _write_back(self, param: Tensor, group: dict[str, Any], state: dict[str, Any], theta: Tensor, m: Tensor,
-                    v: Tensor) -> None:
-        """The single write-back of a step: both moments, then the parameter, from one per-step generator."""
-        generator = self._generator(param, group, state["step"], 0)
-        self._write(state["ema"], m, group, generator)
-        self._write(state["ema_squared"], v, group, generator)
-        self._write(param.data, theta, group, generator)
+    def init_state(self, state: dict[str, Any]) -> None:
+        """Extra per-parameter state keys beyond ``step`` and the state tensors."""
 
-    def _step_one(self, param: Tensor, group: dict[str, Any]) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must implement _step_one")
+    def rounding(self, group: dict[str, Any], dtype: torch.dtype) -> str:
+        """"stochastic" (bf16, SR on), "nearest" (bf16, SR off) or "none" (fp32 or other dtypes: plain copies)."""
+        if dtype != torch.bfloat16:
+            return "none"
+        return "stochastic" if group["stochastic_rounding"] else "nearest"
+
+    def run(self, kernel: Callable[..., Any], numel: int, *args: Any) -> Any:
+        """Call ``kernel`` compiled or eagerly, as ``compiled`` says."""
+        use = self.compiled is True or (self.compiled is None and not self._compile_failed and numel >= AUTO_NUMEL)
+        if use:
+            try:
+                return compiled_kernel(kernel)(*args)
+            except Exception as error:
+                if self.compiled:
+                    raise RuntimeError(f"{type(self).__name__}(compiled=True): torch.compile failed ({error}); pass "
+                                       "compiled=False to step eagerly") from error
+                warnings.warn(f"{type(self).__name__}: torch.compile failed ({type(error).__name__}: {error}); "
+                              "stepping eagerly from now on (pass compiled=False to skip the attempt)", stacklevel=4)
+                self._compile_failed = True
+        return kernel(*args)
+
+    def _layouts_of(self, index: int, group: dict[str, Any]) -> list[FlatLayout]:
+        rules = self.rules(group)
+        key = (tuple(id(param) for param in group["params"]), tuple(rules), self.rule_key(group))
+        cached = self._layouts.get(index)
+        if cached is None or cached[0] != key:
+            buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+            for param in group["params"]:
+                buckets.setdefault((param.device, param.dtype), []).append(param)
+            layouts = [FlatLayout(params, self.state, self.state_names, rules) for params in buckets.values()]
+            for layout in layouts:
+                for position, param in enumerate(layout.params):
+                    if self.state.get(param):
+                        layout.attach(position, self.state[param])
+            cached = self._layouts[index] = (key, layouts)
+        return cached[1]
+
+    def rule_key(self, group: dict[str, Any]) -> Any:
+        """Group options the row rules depend on (a change rebuilds the layout)."""
+        return None
+
+    def _step_span(self, group: dict[str, Any], layout: FlatLayout, span: Span, active: list[int]) -> None:
+        for position in active:
+            state = self.state[layout.params[position]]
+            if not state:
+                state["step"] = 0
+                layout.attach(position, state)
+                self.init_state(state)
+            state["step"] += 1
+        layout.gather(active)
+        self.update(group, Batch(self, group, layout, span, set(active)))
+        layout.scatter(active)
+
+    def tables(self, group: dict[str, Any], layout: FlatLayout, span: Span,
+                active: set[int]) -> tuple[Tensor, Tensor]:
+        """Per-tensor float table (``scalars`` + "has a gradient") and int table (step, seed) of ``span``."""
+        floats: list[float] = []
+        ints: list[int] = []
+        rows: dict[tuple, tuple[float, ...]] = {}
+        for position in range(span.t0, span.t1):
+            param = layout.params[position]
+            state = self.state.get(param)
+            step = state["step"] if state else 0
+            key = (step, position in active, self.scalar_key(group, param))
+            if key not in rows:
+                rows[key] = (*self.scalars(group, max(step, 1), param), 1.0 if key[1] else 0.0)
+            floats += rows[key]
+            seed_key = (group["seed"], self._index[param])
+            if seed_key not in self._seeds:
+                self._seeds[seed_key] = tensor_seed(*seed_key)
+            ints += (step, self._seeds[seed_key])
+        count = span.t1 - span.t0
+        return (to_device(floats, torch.float32, layout.device).view(count, -1),
+                to_device(ints, torch.int32, layout.device).view(count, 2))
+
+
+class Batch:
+    """One step's inputs on a span: [chunks, C] buffers, per-chunk table columns, element indices, row structures."""
+
+    def __init__(self, optimizer: SROptimizer, group: dict[str, Any], layout: FlatLayout, span: Span,
+                 active: set[int]) -> None:
+        self.layout, self.span = layout, span
+        self.active = active
+        self.p, self.g, self.states = layout.blocks(span)
+        self.tensor_floats, self.tensor_ints = optimizer.tables(group, layout, span, active)
+        self.columns, self.ints = layout.per_chunk(span, self.tensor_floats, self.tensor_ints)
+        self.rounding = optimizer.rounding(group, layout.dtype)
+        self.local = layout.local_index(span) if self.rounding in ("stochastic", "noise") else None
+        self.numel = (span.c1 - span.c0) * layout.chunk
+
+    def rows(self, kind: str) -> Any:
+        return self.layout.rows(kind, self.span)

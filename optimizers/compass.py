@@ -11,40 +11,48 @@ Decision (g): eta = lr/bc1 with the full-scale numerator g_hat inflates early st
 lr/(1 - b1), 100x lr with b1 0.99); this is kept as the algorithm's behaviour and LR warmup is recommended
 (>= 300 updates with b1 0.99, >= 50 with 0.9; ``optimizers.trainer.startup_warnings`` says so).
 Project differences to the reference: works on fp32 copies (never in place on ``p.grad``), state in the parameter
-dtype written back with SR, decay on the fp32 copy (decision (e)), seeded rounding (``seed``).
+dtype written back with SR, decay on the fp32 copy (decision (e)), hashed rounding bits (``seed``), all tensors of a
+group in one multi-tensor update (``optimizers.base``; ``compiled`` fuses it), with the reference's operations.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from optimizers.base import SROptimizer, centralize, check_betas
+from optimizers.adamw import bias_scalars
+from optimizers.base import Batch, SROptimizer, check_betas
+from optimizers.kernels import centralize, column, step_bits, write_
+from optimizers.layout import RowRule, Rows, row_length
 
 
-def compass_math(
-    theta: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, betas: tuple[float, float],
-    amp_fac: float, eps: float, weight_decay: float, centralization: float,
+def compass_kernel(
+    p: Tensor, g: Tensor, m: Tensor, v: Tensor, columns: Tensor, ints: Tensor, local: Tensor | None,
+    rows: Rows | None, betas: tuple[float, float], amp_fac: float, eps: float, centralization: float, rounding: str,
 ) -> None:
-    """One Compass update on fp32 working copies; ``theta``, ``m`` and ``v`` are updated in place."""
+    """One Compass update on [chunks, C] blocks; ``columns`` = (eta, sqrt(1 - b2^t), 1 - eta*wd, has gradient)."""
     beta1, beta2 = betas
-    grad = centralize(grad, centralization)
-    eta = lr / (1.0 - beta1**step)
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-    m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-    amplified = grad.add(m, alpha=amp_fac)
-    v.mul_(beta2).addcmul_(amplified, amplified, value=1.0 - beta2)
-    denom = v.sqrt().div_(bias_correction2_sqrt).add_(eps)
-    if weight_decay != 0:
-        theta.mul_(1.0 - eta * weight_decay)
-    theta.addcdiv_(amplified, denom, value=-eta)
+    eta, bc2_sqrt, decay, keep = (column(columns, i) for i in range(4))
+    grad = g.float()
+    if rows is not None:
+        grad = centralize(grad, centralization, rows)
+    m32 = torch.add(m.float() * beta1, grad, alpha=1.0 - beta1)
+    amplified = torch.add(grad, m32, alpha=amp_fac)
+    v32 = torch.addcmul(v.float() * beta2, amplified, amplified, value=1.0 - beta2)
+    denom = torch.sqrt(v32) / bc2_sqrt + eps
+    theta = p.float() * decay + (-eta * amplified) / denom
+    bits = step_bits(local, ints, 0) if rounding == "stochastic" else None
+    keep = keep > 0
+    write_(m, m32, keep, rounding, bits, 1)
+    write_(v, v32, keep, rounding, bits, 2)
+    write_(p, theta, keep, rounding, bits, 0)
 
 
 class Compass(SROptimizer):
-    """Compass (amplified-momentum AdamW) with fp32 math and SR write-back for bf16 tensors."""
+    """Compass (amplified-momentum AdamW) with fp32 math and SR write-back for bf16 tensors, all tensors at once."""
 
     def __init__(
         self,
@@ -57,6 +65,7 @@ class Compass(SROptimizer):
         centralization: float = 0.0,
         stochastic_rounding: bool = True,
         seed: int = 0,
+        compiled: bool | None = None,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"Compass: lr, eps and weight_decay must be >= 0; got {lr}, {eps}, {weight_decay}")
@@ -65,12 +74,16 @@ class Compass(SROptimizer):
             "weight_decay": weight_decay, "centralization": centralization,
             "stochastic_rounding": stochastic_rounding, "seed": seed,
         }
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, compiled)
 
-    def _step_one(self, param: Tensor, group: dict[str, Any]) -> None:
-        state, theta, grad, m, v = self._working_copies(param)
-        compass_math(
-            theta, grad, m, v, state["step"], group["lr"], group["betas"], group["amp_fac"], group["eps"],
-            group["weight_decay"], group["centralization"],
-        )
-        self._write_back(param, group, state, theta, m, v)
+    def rules(self, group: dict[str, Any]) -> dict[str, RowRule]:
+        return {"centre": row_length} if group["centralization"] != 0 else {}
+
+    def scalars(self, group: dict[str, Any], step: int, param: Tensor) -> tuple[float, ...]:
+        return bias_scalars(group["lr"], group["betas"], group["weight_decay"], step)
+
+    def update(self, group: dict[str, Any], batch: Batch) -> None:
+        rows = batch.rows("centre") if group["centralization"] != 0 else None
+        self.run(compass_kernel, batch.numel, batch.p, batch.g, batch.states["ema"], batch.states["ema_squared"],
+                 batch.columns, batch.ints, batch.local, rows, group["betas"], group["amp_fac"], group["eps"],
+                 group["centralization"], batch.rounding)

@@ -9,11 +9,14 @@ some NaN patterns (0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001) into ±0 or ±Inf and hid
 One algorithm serves every bf16 write-back, written twice with identical results (NaN aside: both give a NaN):
 ``round_with_bits`` for eager code (add, mask, ``where(isnan)``: fewest passes) and ``round_with_bits_branchless``
 for compiled code, which detects NaN with integer arithmetic only, because comparisons (and int16) keep inductor's
-CPU code generator from vectorizing the fused kernel (torch 2.13: 3-4x slower). Only the source of the bits differs:
-* eager code draws them from a ``torch.Generator`` on the tensor's device, seeded from (seed, step, parameter index)
-  with ``step_seed`` so that runs and resumes are reproducible;
-* compiled code (``optimizers.flat``) uses ``hash32``, a counter-based integer hash of (element index, step seed),
-  which fuses into the update kernel and is much cheaper than ``randint`` on CPU (ENVIRONMENT.md trap 8).
+CPU code generator from vectorizing the fused kernel (torch 2.13: 3-4x slower); ``round_bits`` picks the form that
+fits where it runs. Two sources of bits:
+* the in-project optimizers and the rounding wrapper use ``element_bits``: a counter-based integer hash
+  (``hash32``) of (element index in its tensor, the tensor's step, a per-tensor seed), one stream for all tensors,
+  no generator state: it fuses into the update kernel, is much cheaper than ``randint`` on CPU (ENVIRONMENT.md
+  trap 8) and gives a resumed run exactly the bits of the uninterrupted one;
+* the helpers ``stochastic_round``/``copy_stochastic_``/``add_stochastic_`` draw from a ``torch.Generator``
+  (``seeded_generator`` with ``step_seed``) or the global RNG.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ _GOLDEN = -1640531535  # 0x9E3779B1 as a signed int32
 _MIX1 = 0x7FEB352D
 _MIX2 = 0x846CA68B - (1 << 32)
 _MASK32 = 0xFFFFFFFF
+_SEED_MASK = (1 << 31) - 1
+REMIX = 0x2C1B3C6D  # odd: multiplying by it permutes 32-bit words, so the remixed high half is uniform too
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 _generators: dict[torch.device, torch.Generator] = {}
 
@@ -45,6 +50,13 @@ def round_with_bits_branchless(x: Tensor, bits: Tensor) -> Tensor:
     b = x.view(torch.int32)
     nan = (((b & 0x7FFFFFFF) + 0x7FFFFF) >> 31) & 1
     return (((b + (bits & (nan - 1))) & _MASK_HIGH16) | (nan << 22)).view(torch.float32)
+
+
+def round_bits(x: Tensor, bits: Tensor) -> Tensor:
+    """``round_with_bits`` in eager code, ``round_with_bits_branchless`` under ``torch.compile`` (same results)."""
+    if torch.compiler.is_compiling():
+        return round_with_bits_branchless(x, bits)
+    return round_with_bits(x, bits)
 
 
 def step_seed(seed: int, step: int, index: int = 0, stream: int = 0) -> int:
@@ -86,6 +98,30 @@ def hash32(index: Tensor, seed: Tensor) -> Tensor:
     h = h ^ ((h >> 15) & 0x1FFFF)
     h = h * _MIX2
     return h ^ ((h >> 16) & 0xFFFF)
+
+
+def tensor_seed(seed: int, index: int) -> int:
+    """Per-tensor seed base for ``element_bits``: ``step_seed(seed, 0, index)`` folded to a non-negative int32."""
+    return step_seed(seed, 0, index) & _SEED_MASK
+
+
+def element_bits(local_index: Tensor, step: Tensor, base: Tensor, stream: int) -> Tensor:
+    """32 random bits per element (int32) from its index in its tensor, the tensor's step and ``tensor_seed`` base.
+
+    ``step`` and ``base`` are int32 and broadcast against ``local_index`` (one value per tensor or per chunk);
+    ``stream`` (a small int) separates independent draws of the same step. Take 16-bit draws with ``draw16``.
+    """
+    return hash32(local_index, hash32(step, base ^ stream))
+
+
+def draw16(bits: Tensor, which: int) -> Tensor:
+    """One of three independent 16-bit draws (int32 in [0, 2^16)) from 32 hashed bits: low half, high half, and
+    the high half of an odd multiple (a bijection of the word, so uniform and unrelated to the other two)."""
+    if which == 0:
+        return bits & 0xFFFF
+    if which == 1:
+        return (bits >> 16) & 0xFFFF
+    return ((bits * REMIX) >> 16) & 0xFFFF
 
 
 def stochastic_round(x: Tensor, generator: torch.Generator | None = None) -> Tensor:

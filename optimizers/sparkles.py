@@ -36,8 +36,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optimizers.base import SROptimizer, centralize, check_betas, run_closure
-from optimizers.rounding import copy_stochastic_
+from optimizers.base import Batch, SROptimizer, check_betas
+from optimizers.kernels import centralize, column, step_bits, write_
+from optimizers.layout import RowRule, Rows, row_length, std_rows
+from optimizers.rounding import draw16, seeded_generator, step_seed
 
 STRATEGIES = ("global", "magnitude", "local", "adaptive")
 
@@ -47,23 +49,78 @@ def default_clip_lambda(step: int) -> float:
     return step**0.25
 
 
-def row_std(grad: Tensor, normalize_channels: bool) -> Tensor | None:
-    """Unbiased std per slice along dim 0, or of the whole tensor, or None (decision (b))."""
-    if grad.dim() > 1 and normalize_channels and grad.numel() // grad.shape[0] >= 2:
-        return grad.std(dim=tuple(range(1, grad.dim())), keepdim=True)
-    if grad.numel() > 2:
-        return grad.std()
-    return None
+def std_length(param: Tensor, normalize_channels: bool) -> int:
+    """Elements per std slice (decision (b)): a row along dim 0 when ndim > 1, ``normalize_channels`` and the row has
+    at least 2 elements, else the whole tensor (normalized only when it has more than 2 elements)."""
+    if param.dim() > 1 and normalize_channels and param.numel() // param.shape[0] >= 2:
+        return row_length(param)
+    return max(1, param.numel())
 
 
-def normalize(grad: Tensor, alpha: float, normalize_channels: bool) -> Tensor:
-    """Blend ``grad`` toward ``grad / (std + 1e-8)`` with weight ``alpha`` (decision (a)); returns a new tensor."""
-    if alpha == 0:
-        return grad
-    std = row_std(grad, normalize_channels)
-    if std is None:
-        return grad
-    return grad * ((1.0 - alpha) + alpha / (std + 1e-8))
+def normalizes(param: Tensor, normalize_channels: bool) -> bool:
+    """Whether the gradient of ``param`` is std-normalized at all (decision (b))."""
+    return std_length(param, normalize_channels) < param.numel() or param.numel() > 2
+
+
+def sparkles_moments_kernel(
+    g: Tensor, p: Tensor, m: Tensor, v: Tensor, prev: Tensor, columns: Tensor, ints: Tensor, local: Tensor | None,
+    centre: Rows | None, spread: Rows | None, tensor_chunks: Tensor, betas: tuple[float, float], eps: float,
+    centralization: float, amp_fac: float, coupled_decay: float, rounding: str, noise: tuple[float, float],
+) -> tuple[Tensor, Tensor]:
+    """Pass 1 (§7.2 steps 2-10, 15): moments, amplified gradient, the update u and each tensor's kick distance.
+
+    ``columns`` = (eta, sqrt(1 - b2^t), decay, clip bound, normalization weight, 1 - that weight, has gradient);
+    writes ema, ema_squared and prev_grad; returns u ([chunks, C] fp32) and ||g_hat - g_prev|| per tensor.
+    """
+    beta1, beta2 = betas
+    eta, bc2_sqrt, alpha, keep = column(columns, 0), column(columns, 1), column(columns, 4), column(columns, 6) > 0
+    grad = g.float()
+    if centre is not None:
+        grad = centralize(grad, centralization, centre)
+    if spread is not None:
+        std = spread.spread(spread.reduce(grad, std_rows) + 1e-8)
+        grad = grad * (column(columns, 5) + torch.reciprocal(std) * alpha)
+    m32 = torch.add(m.float() * beta1, grad, alpha=1.0 - beta1)
+    amplified = torch.add(grad, m32, alpha=amp_fac)
+    v32 = torch.addcmul(v.float() * beta2, amplified, amplified, value=1.0 - beta2)
+    denom = torch.sqrt(v32) / bc2_sqrt + eps
+    if coupled_decay != 0:
+        amplified = torch.add(amplified, p.float(), alpha=coupled_decay)
+    update = (amplified / denom) * eta
+    chunk_norms = torch.linalg.vector_norm(amplified - prev.float(), dim=1)
+    squares = torch.segment_reduce(chunk_norms * chunk_norms, "sum", lengths=tensor_chunks)
+    bits = step_bits(local, ints, 0) if local is not None else None
+    write_state_(m, m32, keep, rounding, bits, 0, noise)
+    write_state_(v, v32, keep, rounding, bits, 1, noise)
+    write_state_(prev, amplified, keep, rounding, bits, 2, noise)
+    return update, torch.sqrt(squares)
+
+
+def sparkles_apply_kernel(
+    p: Tensor, update: Tensor, columns: Tensor, ints: Tensor, local: Tensor | None, clip: bool, rounding: str,
+    noise: tuple[float, float],
+) -> None:
+    """Pass 2 (§7.2 steps 12-14): clamp u, decoupled decay, theta - u and the parameter write-back."""
+    decay, bound, keep = column(columns, 2), column(columns, 3), column(columns, 6) > 0
+    if clip:
+        update = torch.clamp(update, min=-bound, max=bound)
+    theta = p.float() * decay - update
+    bits = step_bits(local, ints, 1) if local is not None else None
+    write_state_(p, theta, keep, rounding, bits, 0, noise)
+
+
+def write_state_(target: Tensor, value: Tensor, keep: Tensor, rounding: str, bits: Tensor | None, which: int,
+                 noise: tuple[float, float]) -> None:
+    """SR (bit manipulation), the reference's noise path, round-to-nearest or a plain copy, where ``keep``."""
+    if rounding != "noise":
+        write_(target, value, keep, rounding, bits, which)
+        return
+    probability, magnitude = noise
+    draw = draw16(bits, which)
+    hit = ((draw >> 1) < probability * 32768) & keep
+    offset = torch.where((draw & 1) == 1, magnitude, -magnitude) * hit
+    value = torch.where(keep, value, target.float())
+    target.copy_(value.to(torch.bfloat16) + offset.to(torch.bfloat16))
 
 
 def kick_(update: Tensor, group: dict[str, Any], generator: torch.Generator) -> None:
@@ -140,6 +197,7 @@ class SPARKLES(SROptimizer):
         local_neighborhood_size: float = 0.1,
         adaptive_scale_factor: float = 1.0,
         seed: int = 0,
+        compiled: bool | None = None,
     ) -> None:
         if permutation_strategy not in STRATEGIES:
             raise ValueError(f"SPARKLES: permutation_strategy must be one of {', '.join(STRATEGIES)}; "
@@ -161,96 +219,74 @@ class SPARKLES(SROptimizer):
             "magnitude_bands": magnitude_bands, "local_neighborhood_size": local_neighborhood_size,
             "adaptive_scale_factor": adaptive_scale_factor, "seed": seed,
         }
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, compiled)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Two passes with one batched read of the kick flags between them (decision (d))."""
-        loss = run_closure(closure)
-        pending = [
-            (param, group, *self._first_pass(param, group))
-            for group in self.param_groups for param in group["params"] if param.grad is not None
-        ]
-        distances = [(i, item[3]) for i, item in enumerate(pending) if item[3] is not None]
-        triggered = set()
-        if distances:
-            flags = torch.stack([dist < pending[i][1]["stochastic_threshold"] for i, dist in distances]).tolist()
-            triggered = {i for (i, _), flag in zip(distances, flags, strict=True) if flag}
-        for i, (param, group, update, _) in enumerate(pending):
-            self._second_pass(param, group, update, i in triggered)
-        return loss
+    def rules(self, group: dict[str, Any]) -> dict[str, RowRule]:
+        rules: dict[str, RowRule] = {}
+        if group["centralization"] != 0:
+            rules["centre"] = row_length
+        if group["normalization"] != 0:
+            channels = group["normalize_channels"]
+            rules["std"] = lambda param: std_length(param, channels)
+        return rules
 
-    @torch.no_grad()
-    def step_parameter(self, param: Tensor) -> None:
-        """Step one parameter (fused backward); reads its kick flag from the device (one sync per parameter)."""
-        group = self._group_of.get(param)
-        if group is None:
-            raise ValueError("SPARKLES.step_parameter: this tensor is not one of the optimizer's params")
-        if param.grad is None:
-            return
-        update, distance = self._first_pass(param, group)
-        triggered = distance is not None and bool(distance < group["stochastic_threshold"])
-        self._second_pass(param, group, update, triggered)
+    def rule_key(self, group: dict[str, Any]) -> Any:
+        return group["normalize_channels"]
 
-    def _first_pass(self, param: Tensor, group: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
-        """Moments, amplified gradient and update u; writes ema, ema_squared, prev_grad; returns u and the distance."""
-        state = self.state[param]
-        if not state:
-            self._init_state(param, state)
-            state["stochastic_applied"] = False
-        state["step"] += 1
-        step = state["step"]
+    def scalar_key(self, group: dict[str, Any], param: Tensor) -> Any:
+        return normalizes(param, group["normalize_channels"])
+
+    def scalars(self, group: dict[str, Any], step: int, param: Tensor) -> tuple[float, ...]:
         beta1, beta2 = group["betas"]
-        grad = param.grad.detach().to(torch.float32, copy=True)
-        grad = centralize(grad, group["centralization"])
-        grad = normalize(grad, group["normalization"], group["normalize_channels"])
-        m = state["ema"].to(torch.float32, copy=True)
-        v = state["ema_squared"].to(torch.float32, copy=True)
         eta = group["lr"] / (1.0 - beta1**step)
-        m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-        amplified = grad.add(m, alpha=group["amp_fac"])
-        v.mul_(beta2).addcmul_(amplified, amplified, value=1.0 - beta2)
-        denom = v.sqrt().div_(math.sqrt(1.0 - beta2**step)).add_(group["eps"])
-        if group["weight_decay"] != 0 and not group["decouple_weight_decay"]:
-            amplified.add_(param.detach().to(torch.float32), alpha=group["weight_decay"])
-        update = amplified.div(denom).mul_(eta)
-        distance = None
-        if step > 1:
-            distance = torch.linalg.vector_norm(amplified - state["prev_grad"].to(torch.float32))
-        generator = self._generator(param, group, step, 0)
-        self._write_state(state["ema"], m, group, generator)
-        self._write_state(state["ema_squared"], v, group, generator)
-        self._write_state(state["prev_grad"], amplified, group, generator)
-        return update, distance
+        decay = 1.0 - eta * group["weight_decay"] if group["decouple_weight_decay"] else 1.0
+        clipping = group["clip_gradients"] and group["clip_lambda"] is not None
+        bound = float(group["clip_lambda"](step)) if clipping else 0.0
+        alpha = group["normalization"] if normalizes(param, group["normalize_channels"]) else 0.0
+        return eta, math.sqrt(1.0 - beta2**step), decay, bound, alpha, 1.0 - alpha
 
-    def _second_pass(self, param: Tensor, group: dict[str, Any], update: Tensor, triggered: bool) -> None:
-        """Kick (when triggered), clamp, decoupled decay and the parameter write-back."""
-        state = self.state[param]
-        step = state["step"]
-        generator = self._generator(param, group, step, 1)
-        state["stochastic_applied"] = triggered
-        if triggered:
-            kick_(update, group, generator)
-        if group["clip_gradients"] and group["clip_lambda"] is not None:
-            bound = float(group["clip_lambda"](step))
-            update.clamp_(-bound, bound)
-        theta = param.detach().to(torch.float32, copy=True)
-        if group["weight_decay"] != 0 and group["decouple_weight_decay"]:
-            eta = group["lr"] / (1.0 - group["betas"][0] ** step)
-            theta.mul_(1.0 - eta * group["weight_decay"])
-        theta.sub_(update)
-        self._write_state(param.data, theta, group, generator)
+    def init_state(self, state: dict[str, Any]) -> None:
+        state["stochastic_applied"] = False
 
-    def _write_state(self, target: Tensor, value: Tensor, group: dict[str, Any], generator: torch.Generator) -> None:
-        """SR (bit manipulation), the reference's noise path, round-to-nearest, or a plain fp32 copy."""
-        if target.dtype != torch.bfloat16 or not group["use_stochastic_rounding"]:
-            target.copy_(value)
-        elif group["use_bit_manipulation"]:
-            copy_stochastic_(target, value, generator)
-        else:
-            magnitude = group["stochastic_rounding_magnitude"]
-            magnitude = torch.finfo(torch.bfloat16).eps if magnitude is None else magnitude
-            hit = torch.rand(value.shape, device=value.device, generator=generator) < group["stochastic_rounding_prob"]
-            sign = torch.rand(value.shape, device=value.device, generator=generator) < 0.5
-            noise = torch.where(sign, magnitude, -magnitude) * hit
-            target.copy_(value.to(torch.bfloat16) + noise.to(torch.bfloat16))
+    def rounding(self, group: dict[str, Any], dtype: torch.dtype) -> str:
+        if dtype != torch.bfloat16:
+            return "none"
+        if not group["use_stochastic_rounding"]:
+            return "nearest"
+        return "stochastic" if group["use_bit_manipulation"] else "noise"
+
+    def update(self, group: dict[str, Any], batch: Batch) -> None:
+        """Two passes with one batched read of the kick flags between them (decision (d))."""
+        layout, span = batch.layout, batch.span
+        magnitude = group["stochastic_rounding_magnitude"]
+        noise = (group["stochastic_rounding_prob"],
+                 torch.finfo(torch.bfloat16).eps if magnitude is None else float(magnitude))
+        coupled = group["weight_decay"] if not group["decouple_weight_decay"] else 0.0
+        update, distance = self.run(
+            sparkles_moments_kernel, batch.numel, batch.g, batch.p, batch.states["ema"],
+            batch.states["ema_squared"], batch.states["prev_grad"], batch.columns, batch.ints, batch.local,
+            batch.rows("centre") if group["centralization"] != 0 else None,
+            batch.rows("std") if group["normalization"] != 0 else None,
+            layout.tensor_chunks[span.t0:span.t1], group["betas"], group["eps"], group["centralization"],
+            group["amp_fac"], coupled, batch.rounding, noise)
+        triggered = []
+        if any(self.state[layout.params[position]]["step"] > 1 for position in batch.active):
+            flags = ((distance < group["stochastic_threshold"]) & (batch.tensor_ints[:, 0] > 1)
+                     & (batch.tensor_floats[:, 6] > 0)).tolist()
+            triggered = [span.t0 + i for i, flag in enumerate(flags) if flag]
+        for position in batch.active:
+            self.state[layout.params[position]]["stochastic_applied"] = position in triggered
+        for position in triggered:
+            self._kick(group, layout, span, update, position)
+        clip = group["clip_gradients"] and group["clip_lambda"] is not None
+        self.run(sparkles_apply_kernel, batch.numel, batch.p, update, batch.columns, batch.ints, batch.local, clip,
+                 batch.rounding, noise)
+
+    def _kick(self, group: dict[str, Any], layout: Any, span: Any, update: Tensor, position: int) -> None:
+        """The randomized kick R on one tensor's slice of the update (rare: its gradient repeated exactly)."""
+        param = layout.params[position]
+        start = (layout.first_chunk[position] - span.c0) * layout.chunk
+        view = update.view(-1)[start:start + param.numel()].view_as(param)
+        step = self.state[param]["step"]
+        generator = seeded_generator(param.device, step_seed(group["seed"], step, self._index[param], 1))
+        kick_(view, group, generator)

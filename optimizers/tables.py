@@ -2,7 +2,8 @@
 
 Checked against torch 2.13, bitsandbytes 0.50.2, dadaptation 3.2, prodigyopt 1.1.2, transformers 5.24 and
 lion-pytorch 0.2.5 (tests/optimizers/test_registry.py compares them with the installed constructors). Keys only the
-project adds: ``stochastic_rounding``/``seed`` (every entry), ``eps2`` (Adafactor), ``compiled`` (StochasticAdamW).
+project adds: ``stochastic_rounding``/``seed`` (every entry), ``eps2`` (Adafactor), ``compiled`` (StochasticAdamW,
+Compass, SPARKLES).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ STOCHASTIC_ADAMW: dict[str, Any] = {
 }
 COMPASS: dict[str, Any] = {
     "betas": (0.99, 0.999), "amp_fac": 2.0, "eps": 1e-8, "weight_decay": 0.0, "centralization": 0.0,
-    "stochastic_rounding": True, "seed": 0,
+    "stochastic_rounding": True, "seed": 0, "compiled": None,
 }
 SPARKLES: dict[str, Any] = {
     "betas": ADAM_BETAS, "eps": 1e-8, "weight_decay": 0.0, "centralization": 0.5, "normalization": 0.5,
@@ -109,4 +110,5 @@ SPARKLES: dict[str, Any] = {
     "stochastic_threshold": 1e-6, "use_stochastic_rounding": True, "stochastic_rounding_prob": 0.5,
     "stochastic_rounding_magnitude": None, "use_bit_manipulation": True, "permutation_strategy": "global",
     "magnitude_bands": 5, "local_neighborhood_size": 0.1, "adaptive_scale_factor": 1.0, "seed": 0,
+    "compiled": None,
 }

@@ -1,0 +1,189 @@
+"""The tensors of one param group (one device and dtype) in flat buffers, so a step costs a constant number of ops.
+
+Tensors are laid out back to back, each in a slot of whole ``C``-element chunks, in one flat buffer for the
+parameters, one for the gradients and one per state tensor (``ema``, ``ema_squared``, ...). Every per-parameter state
+tensor is a view into its flat buffer, so state dicts keep the per-parameter layout of Torchastic and of earlier
+versions. Per step, whatever the number of tensors:
+
+* the gradients and parameters of the tensors being stepped are copied in with one ``_foreach_copy_`` each;
+* the update runs on the buffers viewed as ``[chunks, C]``: anything that is constant over a tensor (step, bias
+  corrections, learning rate, "has a gradient") comes as a per-tensor table uploaded once and gathered per chunk;
+  statistics over rows (slices along dim 0) or whole tensors come from ``Rows``: tensors are ordered so that rows of
+  equal length sit next to each other, each run of them is reduced as one ``[rows, length]`` block (the same
+  reduction, bit for bit, as the tensor's own ``mean``/``std`` over dims 1..n) and the row values are gathered back
+  per chunk; sums per tensor use ``segment_reduce`` over each tensor's chunks. The op count grows with the number
+  of distinct row lengths of the network (a handful), not with the number of tensors;
+* the new parameters are copied back with one ``_foreach_copy_``.
+
+``C`` divides every row length in use (a chunk never straddles two rows) and is at most ``CHUNK``; without row rules
+slots are padded to a multiple of ``CHUNK`` (the padding stays zero and is never copied anywhere). A ``Span`` is a
+run of consecutive tensors of the layout (all of them for ``step()``, one for ``step_parameter``); kernels work on a
+span's chunks. Per-step host data (the tables) goes to CUDA from pinned memory without blocking: no host sync.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+CHUNK = 64
+
+RowRule = Callable[[Tensor], int]
+
+
+def row_length(param: Tensor) -> int:
+    """Elements per slice along dim 0 for ndim > 1 (the reduction of ``mean(dim=1..n)``); the whole tensor else."""
+    if param.dim() > 1 and param.shape[0] > 0:
+        return max(1, param.numel() // param.shape[0])
+    return max(1, param.numel())
+
+
+def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 1-D tensor of host ``values`` on ``device``; to CUDA through pinned memory without blocking (no host sync)."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The rows of a span: ``runs`` of (first element, rows, row length) blocks and the row of every chunk."""
+
+    runs: tuple[tuple[int, int, int], ...]
+    of_chunk: Tensor  # int64 [chunks]
+
+    def reduce(self, x: Tensor, reduction: Callable[[Tensor], Tensor]) -> Tensor:
+        """``reduction(block)`` over dim 1 of each run's [rows, length] block of ``x`` ([chunks, C]) -> [rows]."""
+        flat = x.view(-1)
+        parts = [reduction(flat[start:start + rows * length].view(rows, length)) for start, rows, length in self.runs]
+        return torch.cat(parts)
+
+    def spread(self, per_row: Tensor) -> Tensor:
+        """Per-row values as a [chunks, 1] column (broadcasts over a chunk's elements)."""
+        return per_row.index_select(0, self.of_chunk).unsqueeze(1)
+
+
+def mean_rows(block: Tensor) -> Tensor:
+    return block.mean(dim=1)
+
+
+def std_rows(block: Tensor) -> Tensor:
+    return block.std(dim=1)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Tensors ``t0 .. t1-1`` of a layout, occupying chunks ``c0 .. c1-1``."""
+
+    t0: int
+    t1: int
+    c0: int
+    c1: int
+
+
+class FlatLayout:
+    """Flat parameter, gradient and state buffers for ``params`` (one device, one dtype) with cached views.
+
+    ``rules`` maps a row kind (e.g. "centre") to the row length of each tensor; tensors are ordered by their row
+    lengths (stable, so the order is the same on every run) and ``index`` maps a parameter to its position.
+    """
+
+    def __init__(self, params: Sequence[Tensor], state: Mapping[Tensor, dict], state_names: Sequence[str],
+                 rules: Mapping[str, RowRule]) -> None:
+        lengths = {kind: [rule(param) for param in params] for kind, rule in rules.items()}
+        order = sorted(range(len(params)), key=lambda i: tuple(values[i] for values in lengths.values()))
+        self.params = [params[i] for i in order]
+        self.row_lengths = {kind: [values[i] for i in order] for kind, values in lengths.items()}
+        self.index = {param: position for position, param in enumerate(self.params)}
+        self.device, self.dtype = self.params[0].device, self.params[0].dtype
+        self.chunk = math.gcd(CHUNK, *[n for values in lengths.values() for n in values])
+        numels = [param.numel() for param in self.params]
+        self.chunk_counts = [-(-numel // self.chunk) for numel in numels]
+        self.first_chunk = [0]
+        for count in self.chunk_counts:
+            self.first_chunk.append(self.first_chunk[-1] + count)
+        total = self.first_chunk[-1] * self.chunk
+        self.p_flat = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self.g_flat = torch.zeros_like(self.p_flat)
+        self.p_views, self.g_views = self._views(self.p_flat), self._views(self.g_flat)
+        torch._foreach_copy_(self.p_views, self.params)
+        self.states: dict[str, Tensor] = {}
+        self.state_views: dict[str, list[Tensor]] = {}
+        for name in state_names:
+            self.states[name] = torch.zeros_like(self.p_flat)
+            self.state_views[name] = self._views(self.states[name])
+            held = [(view, state[p][name]) for view, p in zip(self.state_views[name], self.params, strict=True)
+                    if name in state.get(p, {})]
+            if held:
+                torch._foreach_copy_([view for view, _ in held], [value for _, value in held])
+        owner = [t for t, count in enumerate(self.chunk_counts) for _ in range(count)]
+        self.chunk_tensor = torch.tensor(owner, dtype=torch.int64, device=self.device)
+        base = [(c - self.first_chunk[t]) * self.chunk for c, t in enumerate(owner)]
+        self.chunk_base = torch.tensor(base, dtype=torch.int32, device=self.device).unsqueeze(1)
+        self.column = torch.arange(self.chunk, dtype=torch.int32, device=self.device)
+        self.tensor_chunks = torch.tensor(self.chunk_counts, dtype=torch.int64, device=self.device)
+        self._rows: dict[tuple[str, int, int], Rows] = {}
+
+    def _views(self, buffer: Tensor) -> list[Tensor]:
+        return [buffer[start * self.chunk:start * self.chunk + param.numel()].view_as(param)
+                for start, param in zip(self.first_chunk, self.params, strict=False)]
+
+    def attach(self, index: int, state: dict) -> None:
+        """Point ``state``'s tensors at this layout's buffers (``state`` is the parameter's optimizer state)."""
+        for name, views in self.state_views.items():
+            state[name] = views[index]
+
+    def span(self, t0: int, t1: int) -> Span:
+        return Span(t0, t1, self.first_chunk[t0], self.first_chunk[t1])
+
+    def gather(self, active: Sequence[int]) -> None:
+        """Copy the gradients and parameters of tensors ``active`` into the flat buffers (two ops)."""
+        torch._foreach_copy_([self.g_views[i] for i in active], [self.params[i].grad for i in active])
+        torch._foreach_copy_([self.p_views[i] for i in active], [self.params[i] for i in active])
+
+    def scatter(self, active: Sequence[int]) -> None:
+        """Copy the updated parameters of tensors ``active`` back (one op; call under ``torch.no_grad``)."""
+        torch._foreach_copy_([self.params[i] for i in active], [self.p_views[i] for i in active])
+
+    def blocks(self, span: Span) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Parameter, gradient and state buffers of ``span`` as [chunks, C] views."""
+        def block(buffer: Tensor) -> Tensor:
+            return buffer[span.c0 * self.chunk:span.c1 * self.chunk].view(-1, self.chunk)
+
+        return block(self.p_flat), block(self.g_flat), {name: block(flat) for name, flat in self.states.items()}
+
+    def per_chunk(self, span: Span, *tables: Tensor) -> list[Tensor]:
+        """Rows of per-tensor ``tables`` (one row per tensor of ``span``) repeated for each of their chunks."""
+        owner = self.chunk_tensor[span.c0:span.c1]
+        if span.t0:
+            owner = owner - span.t0
+        return [table.index_select(0, owner) for table in tables]
+
+    def local_index(self, span: Span) -> Tensor:
+        """[chunks, C] int32: each element's index in its own tensor (the counter of ``rounding.element_bits``)."""
+        return self.chunk_base[span.c0:span.c1] + self.column
+
+    def tensor_sums(self, span: Span, partial: Tensor) -> Tensor:
+        """Per-tensor sums of per-chunk ``partial`` sums over ``span`` ([chunks] -> [tensors])."""
+        return torch.segment_reduce(partial, "sum", lengths=self.tensor_chunks[span.t0:span.t1])
+
+    def rows(self, kind: str, span: Span) -> Rows:
+        """The ``kind`` rows of ``span`` (cached per span)."""
+        key = (kind, span.t0, span.t1)
+        if key not in self._rows:
+            runs, owner, start, row = [], [], 0, 0
+            for t in range(span.t0, span.t1):
+                length, numel = self.row_lengths[kind][t], self.params[t].numel()
+                count = numel // length
+                if runs and runs[-1][2] == length and runs[-1][0] + runs[-1][1] * length == start:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + count, length)
+                else:
+                    runs.append((start, count, length))
+                owner += [r for r in range(row, row + count) for _ in range(length // self.chunk)]
+                start, row = start + numel, row + count
+            self._rows[key] = Rows(tuple(runs), torch.tensor(owner, dtype=torch.int64, device=self.device))
+        return self._rows[key]
