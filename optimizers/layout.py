@@ -92,6 +92,7 @@ class FlatLayout:
     lengths (stable, so the order is the same on every run) and ``index`` maps a parameter to its position.
     """
 
+    @torch.no_grad()
     def __init__(self, params: Sequence[Tensor], state: Mapping[Tensor, dict], state_names: Sequence[str],
                  rules: Mapping[str, RowRule]) -> None:
         lengths = {kind: [rule(param) for param in params] for kind, rule in rules.items()}

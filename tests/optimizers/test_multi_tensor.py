@@ -1,0 +1,151 @@
+"""Multi-tensor steps: the op count does not grow with the number of tensors, at most one host sync per step, and
+tensors without a gradient keep exact per-tensor semantics (ops and syncs counted by ``tests/optimizers/counting``).
+
+Per-tensor semantics are checked three ways: against one independent optimizer per tensor (fp32: no rounding, so
+the trajectories must be bitwise equal), against ``step_parameter`` of each tensor alone (bf16 with stochastic
+rounding: the hashed bits depend on the tensor, not on the batch, so again bitwise equal), and against the fp64
+Compass reference of ``test_parity`` fed with each tensor's own gradients.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from optimizers import REGISTRY, build_optimizer
+from optimizers.wrapper import StochasticRoundingWrapper
+from tests.optimizers.counting import Counting
+from tests.optimizers.test_parity import compass_reference_fp64
+
+NATIVE = [spec.name for spec in REGISTRY.values() if spec.stochastic_rounding == "native"]
+SHAPES = [(16, 64), (64, 16), (16, 48), (48, 16)]
+CASES = ["all", "missing", "rotating"]
+
+
+def make_params(count: int, dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(SHAPES[i % len(SHAPES)], generator=generator) * 0.1).to(dtype))
+            for i in range(count)]
+
+
+def has_gradient(case: str, count: int, step: int) -> list[bool]:
+    """``all``; ``missing``: the last two tensors never; ``rotating``: a different ~30 % each step from step 1."""
+    if case == "all":
+        return [True] * count
+    if case == "missing":
+        return [i < count - 2 for i in range(count)]
+    chooser = random.Random(step)
+    return [step == 0 or chooser.random() > 0.3 for _ in range(count)]
+
+
+def set_grads(params: list[torch.nn.Parameter], case: str, step: int) -> None:
+    generator = torch.Generator().manual_seed(1000 + step)
+    for param, present in zip(params, has_gradient(case, len(params), step), strict=True):
+        grad = torch.randn(param.shape, generator=generator) * 1e-2
+        param.grad = grad.to(param.dtype) if present else None
+
+
+def step_costs(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], case: str,
+               steps: int = 3) -> list:
+    with Counting() as counter:
+        costs = []
+        for step in range(steps):
+            set_grads(params, case, step)
+            counter.next_step()
+            optimizer.step()
+            costs.append(counter.next_step())
+    return costs
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", NATIVE)
+def test_op_count_does_not_grow_with_the_number_of_tensors(name: str, dtype: torch.dtype, case: str) -> None:
+    counts = {}
+    for count in (8, 64):
+        params = make_params(count, dtype)
+        costs = step_costs(build_optimizer(name, params, 1e-3), params, case)
+        counts[count] = [cost.op_count for cost in costs[1:]]
+        assert all(len(cost.syncs) <= 1 for cost in costs), f"{name}: {[cost.syncs for cost in costs]}"
+        for cost in costs[1:]:  # the first step builds the flat layout (index tables made once)
+            assert cost.uploads <= 2, f"{name}: {cost.uploads} tensors made from host data in one step"
+    assert counts[8] == counts[64], f"{name} {case}: ops per step {counts}"
+    assert max(counts[8]) <= 300
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_a_step_with_missing_gradients_costs_no_more_ops(name: str) -> None:
+    full, partial = make_params(16, torch.bfloat16), make_params(16, torch.bfloat16)
+    all_costs = step_costs(build_optimizer(name, full, 1e-3), full, "all")
+    missing_costs = step_costs(build_optimizer(name, partial, 1e-3), partial, "rotating")
+    assert [cost.op_count for cost in missing_costs[1:]] == [cost.op_count for cost in all_costs[1:]]
+
+
+@pytest.mark.parametrize("case", ["missing", "rotating"])
+@pytest.mark.parametrize("name", NATIVE)
+def test_skipped_tensors_keep_exact_per_tensor_semantics(name: str, case: str) -> None:
+    params = make_params(8, torch.float32)
+    optimizer = build_optimizer(name, params, 1e-3, weight_decay=1e-2)
+    alone = [torch.nn.Parameter(param.detach().clone()) for param in params]
+    singles = [build_optimizer(name, [param], 1e-3, weight_decay=1e-2) for param in alone]
+    counts = [0] * len(params)
+    for step in range(6):
+        set_grads(params, case, step)
+        for i, (param, single) in enumerate(zip(params, alone, strict=True)):
+            single.grad = None if param.grad is None else param.grad.clone()
+            if single.grad is not None:
+                singles[i].step()
+                counts[i] += 1
+        optimizer.step()
+    for param, single, count in zip(params, alone, counts, strict=True):
+        assert torch.equal(param.detach(), single.detach())
+        assert optimizer.state[param].get("step", 0) == count
+    assert min(counts) < 6, "no tensor was ever skipped"
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_step_equals_step_parameter_of_each_tensor_with_skips(name: str) -> None:
+    batched, hooked = make_params(8, torch.bfloat16), make_params(8, torch.bfloat16)
+    optimizer = build_optimizer(name, batched, 1e-3, seed=3)
+    per_tensor = build_optimizer(name, hooked, 1e-3, seed=3)
+    for step in range(5):
+        set_grads(batched, "rotating", step)
+        set_grads(hooked, "rotating", step)
+        optimizer.step()
+        for param in hooked:
+            per_tensor.step_parameter(param)
+    for a, b in zip(batched, hooked, strict=True):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_compass_skips_match_the_fp64_reference() -> None:
+    params = make_params(4, torch.float32)
+    start = [param.detach().clone() for param in params]
+    options = {"betas": (0.99, 0.999), "amp_fac": 2.0, "eps": 1e-8, "weight_decay": 1e-2, "centralization": 0.5}
+    optimizer = build_optimizer("Compass", params, 1e-3, **options)
+    own: list[list[torch.Tensor]] = [[] for _ in params]
+    for step in range(8):
+        set_grads(params, "rotating", step)
+        for param, grads in zip(params, own, strict=True):
+            if param.grad is not None:
+                grads.append(param.grad.clone())
+        optimizer.step()
+    for param, first, grads in zip(params, start, own, strict=True):
+        expected = compass_reference_fp64(first, grads, 1e-3, options["betas"], options["amp_fac"], options["eps"],
+                                          options["weight_decay"], options["centralization"])
+        torch.testing.assert_close(param.detach().double(), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rounding_wrapper_overhead_does_not_grow_with_the_number_of_tensors(case: str) -> None:
+    counts = {}
+    for count in (8, 64):
+        params = make_params(count, torch.bfloat16)
+        wrapper = StochasticRoundingWrapper([{"params": params}],
+                                            lambda groups: torch.optim.SGD(groups, lr=1e-2, foreach=True))
+        costs = step_costs(wrapper, params, case)
+        assert all(not cost.syncs for cost in costs)
+        counts[count] = [cost.op_count for cost in costs[1:]]
+    assert counts[8] == counts[64], f"{case}: ops per step {counts}"
