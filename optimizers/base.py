@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from optimizers.layout import FlatLayout, RowRule, Span, to_device
-from optimizers.rounding import tensor_seed
+from optimizers.rounding import stream_seed, tensor_seed
 
 AUTO_NUMEL = 1 << 20
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
@@ -71,6 +71,7 @@ class SROptimizer(Optimizer):
     """
 
     state_names: tuple[str, ...] = ("ema", "ema_squared")
+    streams: tuple[int, ...] = (0,)
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], compiled: bool | None = None) -> None:
         self._index: dict[Tensor, int] = {}
@@ -201,8 +202,8 @@ class SROptimizer(Optimizer):
         layout.scatter(active)
 
     def tables(self, group: dict[str, Any], layout: FlatLayout, span: Span,
-                active: set[int]) -> tuple[Tensor, Tensor]:
-        """Per-tensor float table (``scalars`` + "has a gradient") and int table (step, seed) of ``span``."""
+               active: set[int]) -> tuple[Tensor, Tensor]:
+        """Per-tensor float table (``scalars`` + "has a gradient") and int32 table (a ``stream_seed`` per stream)."""
         floats: list[float] = []
         ints: list[int] = []
         rows: dict[tuple, tuple[float, ...]] = {}
@@ -217,22 +218,29 @@ class SROptimizer(Optimizer):
             seed_key = (group["seed"], self._index[param])
             if seed_key not in self._seeds:
                 self._seeds[seed_key] = tensor_seed(*seed_key)
-            ints += (step, self._seeds[seed_key])
+            ints += [stream_seed(self._seeds[seed_key], step, stream) for stream in self.streams]
         count = span.t1 - span.t0
         return (to_device(floats, torch.float32, layout.device).view(count, -1),
-                to_device(ints, torch.int32, layout.device).view(count, 2))
+                to_device(ints, torch.int32, layout.device).view(count, -1))
 
 
 class Batch:
-    """One step's inputs on a span: [chunks, C] buffers, per-chunk table columns, element indices, row structures."""
+    """One step's inputs on a span: [chunks, C] buffers, per-chunk table columns, element indices, row structures.
+
+    ``columns`` (floats, last column "has a gradient") and ``seeds`` have one row per chunk, or a single row when the
+    span is one tensor (it broadcasts); ``masked`` says whether some tensor of the span has no gradient.
+    """
 
     def __init__(self, optimizer: SROptimizer, group: dict[str, Any], layout: FlatLayout, span: Span,
                  active: set[int]) -> None:
-        self.layout, self.span = layout, span
-        self.active = active
+        self.layout, self.span, self.active = layout, span, active
         self.p, self.g, self.states = layout.blocks(span)
-        self.tensor_floats, self.tensor_ints = optimizer.tables(group, layout, span, active)
-        self.columns, self.ints = layout.per_chunk(span, self.tensor_floats, self.tensor_ints)
+        self.tensor_floats, tensor_seeds = optimizer.tables(group, layout, span, active)
+        if span.t1 - span.t0 == 1:
+            self.columns, self.seeds = self.tensor_floats, tensor_seeds
+        else:
+            self.columns, self.seeds = layout.per_chunk(span, self.tensor_floats, tensor_seeds)
+        self.masked = len(active) < span.t1 - span.t0
         self.rounding = optimizer.rounding(group, layout.dtype)
         self.local = layout.local_index(span) if self.rounding in ("stochastic", "noise") else None
         self.numel = (span.c1 - span.c0) * layout.chunk

@@ -1,8 +1,9 @@
 """Pieces shared by the update kernels: the rounded write-back and row statistics on [chunks, C] blocks.
 
 Kernels are plain functions of tensors and Python numbers so that the same code runs eagerly and under
-``torch.compile``. Per-tensor values arrive as [chunks, 1] columns; ``keep`` marks the chunks of tensors that have a
-gradient this step (everything else is written back unchanged: rounding a bf16 value to bf16 is exact).
+``torch.compile``. Per-tensor values arrive as [chunks, 1] columns ([1, 1] when the span is one tensor); ``keep``
+marks the chunks of tensors that have a gradient this step (everything else is written back unchanged: rounding a
+bf16 value to bf16 is exact) and is None when all of them have one.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ from optimizers.layout import Rows, mean_rows
 from optimizers.rounding import draw16, element_bits, round_bits
 
 
-def step_bits(local: Tensor, ints: Tensor, stream: int) -> Tensor:
-    """32 hashed bits per element for the tensors' current steps (``ints`` columns: step, seed)."""
-    return element_bits(local, ints[:, 0:1], ints[:, 1:2], stream)
+def step_bits(local: Tensor, seeds: Tensor, stream: int) -> Tensor:
+    """32 hashed bits per element from the per-chunk ``seeds`` column of ``stream`` (see ``SROptimizer.streams``)."""
+    return element_bits(local, seeds[:, stream:stream + 1])
 
 
-def write_(target: Tensor, value: Tensor, keep: Tensor, rounding: str, bits: Tensor | None, which: int) -> None:
-    """Write fp32 ``value`` into ``target`` where ``keep``: SR with draw ``which`` of ``bits``, or a plain copy."""
-    value = torch.where(keep, value, target.float())
+def write_(target: Tensor, value: Tensor, keep: Tensor | None, rounding: str, bits: Tensor | None,
+           which: int) -> None:
+    """Write fp32 ``value`` into ``target`` where ``keep`` (None: everywhere): SR with draw ``which`` of ``bits``,
+    or a plain copy."""
+    if keep is not None:
+        value = torch.where(keep, value, target.float())
     if rounding == "stochastic":
         value = round_bits(value, draw16(bits, which))
     target.copy_(value)
@@ -33,5 +37,10 @@ def centralize(grad: Tensor, strength: float, rows: Rows) -> Tensor:
 
 
 def column(columns: Tensor, index: int) -> Tensor:
-    """Column ``index`` of the per-chunk table as [chunks, 1]."""
+    """Column ``index`` of the per-chunk table as [chunks, 1] (or [1, 1] for a one-row table, which broadcasts)."""
     return columns[:, index:index + 1]
+
+
+def kept(flag: Tensor) -> Tensor:
+    """The "has a gradient" mask from its table column (1.0 or 0.0 per tensor)."""
+    return flag > 0

@@ -105,13 +105,26 @@ def tensor_seed(seed: int, index: int) -> int:
     return step_seed(seed, 0, index) & _SEED_MASK
 
 
-def element_bits(local_index: Tensor, step: Tensor, base: Tensor, stream: int) -> Tensor:
-    """32 random bits per element (int32) from its index in its tensor, the tensor's step and ``tensor_seed`` base.
+def _int32(value: int) -> int:
+    value &= _MASK32
+    return value - (1 << 32) if value >= 1 << 31 else value
 
-    ``step`` and ``base`` are int32 and broadcast against ``local_index`` (one value per tensor or per chunk);
-    ``stream`` (a small int) separates independent draws of the same step. Take 16-bit draws with ``draw16``.
-    """
-    return hash32(local_index, hash32(step, base ^ stream))
+
+def stream_seed(base: int, step: int, stream: int) -> int:
+    """The int32 seed of one tensor's bits at ``step``: ``hash32(step, base ^ stream)`` computed with Python
+    integers on the host (the value ``hash32`` gives on int32 tensors); ``stream`` separates draws of one step."""
+    h = _int32(step * _GOLDEN + (base ^ stream))
+    h = _int32(h ^ ((h >> 16) & 0xFFFF))
+    h = _int32(h * _MIX1)
+    h = _int32(h ^ ((h >> 15) & 0x1FFFF))
+    h = _int32(h * _MIX2)
+    return _int32(h ^ ((h >> 16) & 0xFFFF))
+
+
+def element_bits(local_index: Tensor, seed: Tensor) -> Tensor:
+    """32 random bits per element (int32): ``hash32`` of its index in its tensor and the tensor's ``stream_seed``
+    (int32, broadcast: one value per tensor or per chunk). Take 16-bit draws with ``draw16``."""
+    return hash32(local_index, seed)
 
 
 def draw16(bits: Tensor, which: int) -> Tensor:

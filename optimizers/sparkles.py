@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from optimizers.base import Batch, SROptimizer, check_betas
-from optimizers.kernels import centralize, column, step_bits, write_
+from optimizers.kernels import centralize, column, kept, step_bits, write_
 from optimizers.layout import RowRule, Rows, row_length, std_rows
 from optimizers.rounding import draw16, seeded_generator, step_seed
 
@@ -63,9 +63,10 @@ def normalizes(param: Tensor, normalize_channels: bool) -> bool:
 
 
 def sparkles_moments_kernel(
-    g: Tensor, p: Tensor, m: Tensor, v: Tensor, prev: Tensor, columns: Tensor, ints: Tensor, local: Tensor | None,
-    centre: Rows | None, spread: Rows | None, tensor_chunks: Tensor, betas: tuple[float, float], eps: float,
-    centralization: float, amp_fac: float, coupled_decay: float, rounding: str, noise: tuple[float, float],
+    g: Tensor, p: Tensor, m: Tensor, v: Tensor, prev: Tensor, columns: Tensor, seeds: Tensor, masked: bool,
+    local: Tensor | None, centre: Rows | None, spread: Rows | None, tensor_chunks: Tensor,
+    betas: tuple[float, float], eps: float, centralization: float, amp_fac: float, coupled_decay: float,
+    rounding: str, noise: tuple[float, float],
 ) -> tuple[Tensor, Tensor]:
     """Pass 1 (§7.2 steps 2-10, 15): moments, amplified gradient, the update u and each tensor's kick distance.
 
@@ -73,7 +74,8 @@ def sparkles_moments_kernel(
     writes ema, ema_squared and prev_grad; returns u ([chunks, C] fp32) and ||g_hat - g_prev|| per tensor.
     """
     beta1, beta2 = betas
-    eta, bc2_sqrt, alpha, keep = column(columns, 0), column(columns, 1), column(columns, 4), column(columns, 6) > 0
+    eta, bc2_sqrt, alpha = column(columns, 0), column(columns, 1), column(columns, 4)
+    keep = kept(column(columns, 6)) if masked else None
     grad = g.float()
     if centre is not None:
         grad = centralize(grad, centralization, centre)
@@ -89,7 +91,7 @@ def sparkles_moments_kernel(
     update = (amplified / denom) * eta
     chunk_norms = torch.linalg.vector_norm(amplified - prev.float(), dim=1)
     squares = torch.segment_reduce(chunk_norms * chunk_norms, "sum", lengths=tensor_chunks)
-    bits = step_bits(local, ints, 0) if local is not None else None
+    bits = step_bits(local, seeds, 0) if local is not None else None
     write_state_(m, m32, keep, rounding, bits, 0, noise)
     write_state_(v, v32, keep, rounding, bits, 1, noise)
     write_state_(prev, amplified, keep, rounding, bits, 2, noise)
@@ -97,29 +99,32 @@ def sparkles_moments_kernel(
 
 
 def sparkles_apply_kernel(
-    p: Tensor, update: Tensor, columns: Tensor, ints: Tensor, local: Tensor | None, clip: bool, rounding: str,
-    noise: tuple[float, float],
+    p: Tensor, update: Tensor, columns: Tensor, seeds: Tensor, masked: bool, local: Tensor | None, clip: bool,
+    rounding: str, noise: tuple[float, float],
 ) -> None:
     """Pass 2 (§7.2 steps 12-14): clamp u, decoupled decay, theta - u and the parameter write-back."""
-    decay, bound, keep = column(columns, 2), column(columns, 3), column(columns, 6) > 0
+    decay, bound = column(columns, 2), column(columns, 3)
+    keep = kept(column(columns, 6)) if masked else None
     if clip:
         update = torch.clamp(update, min=-bound, max=bound)
     theta = p.float() * decay - update
-    bits = step_bits(local, ints, 1) if local is not None else None
+    bits = step_bits(local, seeds, 1) if local is not None else None
     write_state_(p, theta, keep, rounding, bits, 0, noise)
 
 
-def write_state_(target: Tensor, value: Tensor, keep: Tensor, rounding: str, bits: Tensor | None, which: int,
-                 noise: tuple[float, float]) -> None:
+def write_state_(target: Tensor, value: Tensor, keep: Tensor | None, rounding: str, bits: Tensor | None,
+                 which: int, noise: tuple[float, float]) -> None:
     """SR (bit manipulation), the reference's noise path, round-to-nearest or a plain copy, where ``keep``."""
     if rounding != "noise":
         write_(target, value, keep, rounding, bits, which)
         return
     probability, magnitude = noise
     draw = draw16(bits, which)
-    hit = ((draw >> 1) < probability * 32768) & keep
+    hit = (draw >> 1) < probability * 32768
+    if keep is not None:
+        hit = hit & keep
+        value = torch.where(keep, value, target.float())
     offset = torch.where((draw & 1) == 1, magnitude, -magnitude) * hit
-    value = torch.where(keep, value, target.float())
     target.copy_(value.to(torch.bfloat16) + offset.to(torch.bfloat16))
 
 
@@ -172,6 +177,7 @@ class SPARKLES(SROptimizer):
     """SPARKLES with fp32 maths, SR write-back for bf16 tensors and at most one host sync per ``step()``."""
 
     state_names = ("ema", "ema_squared", "prev_grad")
+    streams = (0, 1)
 
     def __init__(
         self,
@@ -264,23 +270,24 @@ class SPARKLES(SROptimizer):
         coupled = group["weight_decay"] if not group["decouple_weight_decay"] else 0.0
         update, distance = self.run(
             sparkles_moments_kernel, batch.numel, batch.g, batch.p, batch.states["ema"],
-            batch.states["ema_squared"], batch.states["prev_grad"], batch.columns, batch.ints, batch.local,
+            batch.states["ema_squared"], batch.states["prev_grad"], batch.columns, batch.seeds, batch.masked,
+            batch.local,
             batch.rows("centre") if group["centralization"] != 0 else None,
             batch.rows("std") if group["normalization"] != 0 else None,
             layout.tensor_chunks[span.t0:span.t1], group["betas"], group["eps"], group["centralization"],
             group["amp_fac"], coupled, batch.rounding, noise)
+        eligible = [position for position in sorted(batch.active) if self.state[layout.params[position]]["step"] > 1]
         triggered = []
-        if any(self.state[layout.params[position]]["step"] > 1 for position in batch.active):
-            flags = ((distance < group["stochastic_threshold"]) & (batch.tensor_ints[:, 0] > 1)
-                     & (batch.tensor_floats[:, 6] > 0)).tolist()
-            triggered = [span.t0 + i for i, flag in enumerate(flags) if flag]
+        if eligible:
+            flags = (distance < group["stochastic_threshold"]).tolist()
+            triggered = [position for position in eligible if flags[position - span.t0]]
         for position in batch.active:
             self.state[layout.params[position]]["stochastic_applied"] = position in triggered
         for position in triggered:
             self._kick(group, layout, span, update, position)
         clip = group["clip_gradients"] and group["clip_lambda"] is not None
-        self.run(sparkles_apply_kernel, batch.numel, batch.p, update, batch.columns, batch.ints, batch.local, clip,
-                 batch.rounding, noise)
+        self.run(sparkles_apply_kernel, batch.numel, batch.p, update, batch.columns, batch.seeds, batch.masked,
+                 batch.local, clip, batch.rounding, noise)
 
     def _kick(self, group: dict[str, Any], layout: Any, span: Any, update: Tensor, position: int) -> None:
         """The randomized kick R on one tensor's slice of the update (rare: its gradient repeated exactly)."""

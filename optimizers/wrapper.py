@@ -35,16 +35,16 @@ from torch.optim import Optimizer
 
 from optimizers.base import AUTO_NUMEL, compiled_kernel, run_closure
 from optimizers.layout import to_device
-from optimizers.rounding import element_bits, round_bits, tensor_seed
+from optimizers.rounding import element_bits, round_bits, stream_seed, tensor_seed
 from optimizers.spec import OptimizerConfigError
 
 SR_KEY = "stochastic_rounding"
 
 
-def round_shadows_(values: Tensor, step: Tensor, seed: Tensor) -> None:
+def round_shadows_(values: Tensor, seed: Tensor) -> None:
     """Stochastically round the flat fp32 ``values`` in place to bf16-exact values (bits of one counter stream)."""
     index = torch.arange(values.numel(), dtype=torch.int32, device=values.device)
-    values.copy_(round_bits(values, element_bits(index, step, seed, 0) & 0xFFFF))
+    values.copy_(round_bits(values, element_bits(index, seed) & 0xFFFF))
 
 
 class _Shadows:
@@ -79,16 +79,16 @@ class _Shadows:
         """Round the buffer stochastically and copy the rounded values into the parameters ``active``."""
         if not active:
             return
-        numbers = to_device([step, self.seed], torch.int32, self.values.device)
+        seed = to_device([stream_seed(self.seed, step, 0)], torch.int32, self.values.device)
         if self.values.numel() >= AUTO_NUMEL and not self.compile_failed:
             try:
-                compiled_kernel(round_shadows_)(self.values, numbers[0], numbers[1])
+                compiled_kernel(round_shadows_)(self.values, seed)
             except Exception as error:
                 warnings.warn(f"stochastic rounding wrapper: torch.compile failed ({type(error).__name__}: {error}); "
                               "rounding eagerly from now on (same bits, slower)", stacklevel=3)
                 self.compile_failed = True
         if self.values.numel() < AUTO_NUMEL or self.compile_failed:
-            round_shadows_(self.values, numbers[0], numbers[1])
+            round_shadows_(self.values, seed)
         torch._foreach_copy_([self.params[i] for i in active], [self.views[i] for i in active])
 
 

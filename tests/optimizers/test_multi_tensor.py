@@ -76,11 +76,17 @@ def test_op_count_does_not_grow_with_the_number_of_tensors(name: str, dtype: tor
 
 
 @pytest.mark.parametrize("name", NATIVE)
-def test_a_step_with_missing_gradients_costs_no_more_ops(name: str) -> None:
+def test_missing_gradients_cost_only_the_masking_ops(name: str) -> None:
+    """Tensors without a gradient stay on the multi-tensor path: the step only adds the mask (a column and a
+    comparison per kernel) and its use in each write-back (two ops per written buffer), at most three ops per
+    written buffer whichever tensors are skipped."""
     full, partial = make_params(16, torch.bfloat16), make_params(16, torch.bfloat16)
     all_costs = step_costs(build_optimizer(name, full, 1e-3), full, "all")
-    missing_costs = step_costs(build_optimizer(name, partial, 1e-3), partial, "rotating")
-    assert [cost.op_count for cost in missing_costs[1:]] == [cost.op_count for cost in all_costs[1:]]
+    optimizer = build_optimizer(name, partial, 1e-3)
+    missing_costs = step_costs(optimizer, partial, "rotating")
+    writes = len(optimizer.state_names) + 1
+    for with_all, with_missing in zip(all_costs[1:], missing_costs[1:], strict=True):
+        assert with_all.op_count < with_missing.op_count <= with_all.op_count + 3 * writes
 
 
 @pytest.mark.parametrize("case", ["missing", "rotating"])

@@ -14,6 +14,8 @@ from optimizers.rounding import (
     seeded_generator,
     step_seed,
     stochastic_round,
+    stream_seed,
+    tensor_seed,
 )
 
 DRAWS = 100_000
@@ -119,6 +121,17 @@ def test_step_seed_separates_its_inputs() -> None:
              for stream in range(2)}
     assert len(seeds) == 3 * 20 * 5 * 2
     assert all(0 <= seed < 1 << 63 for seed in seeds)
+
+
+def test_host_stream_seed_equals_the_int32_tensor_hash() -> None:
+    bases = [tensor_seed(seed, index) for seed in (0, 7) for index in (0, 1, 527)] + [0, (1 << 31) - 1]
+    steps = [0, 1, 2, 1000, (1 << 31) - 1]
+    for stream in (0, 1):
+        host = [stream_seed(base, step, stream) for base in bases for step in steps]
+        device = hash32(torch.tensor([step for _ in bases for step in steps], dtype=torch.int32),
+                        torch.tensor([base ^ stream for base in bases for _ in steps], dtype=torch.int32))
+        assert host == device.tolist()
+    assert len({stream_seed(bases[0], step, stream) for step in range(100) for stream in (0, 1)}) == 200
 
 
 def test_add_stochastic_scales_the_right_operand() -> None:
