@@ -171,7 +171,8 @@ class SROptimizer(Optimizer):
 
     def _layouts_of(self, index: int, group: dict[str, Any]) -> list[FlatLayout]:
         rules = self.rules(group)
-        key = (tuple(id(param) for param in group["params"]), tuple(rules), self.rule_key(group))
+        key = (tuple((id(param), param.dtype, param.device) for param in group["params"]), tuple(rules),
+               self.rule_key(group))
         cached = self._layouts.get(index)
         if cached is None or cached[0] != key:
             buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
