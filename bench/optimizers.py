@@ -10,11 +10,15 @@ Every registered optimizer runs with default options, bf16 and fp32 parameters, 
 * ``rotating``: every module is dropped with probability 0.1, a different subset each step (``module_dropout``).
 
 Only ``optimizer.step()`` is timed (gradients are fixed random tensors set before each step); the first ``--warmup``
-steps (state allocation, any ``torch.compile``) are not counted. Ops and syncs are counted by a second run of the
-same steps plus one under ``tests/optimizers/counting.py`` (a ``TorchDispatchMode``; see there what counts as a
-sync), for that last step: they predict the kernel launches and host stalls of the same step on a GPU. "(N host)"
+steps (state allocation, any ``torch.compile``) are not counted. Every timed step alternates with a step of the
+reference ``torch.optim.AdamW`` (foreach, fp32, all gradients) on its own parameters, and "x ref" is the median ratio
+of the two step times: on a machine shared with other jobs the ratio is far steadier than the milliseconds. Ops and
+syncs are counted by a second run of the same steps plus one under ``tests/optimizers/counting.py`` (a
+``TorchDispatchMode``; see there what counts as a sync), for that last step: they predict the kernel launches and
+host stalls of the same step on a GPU. "(N host)"
 are reads of host tensors (torch.optim's step counters), "(N up)" tensors made from Python data. State bytes are the
-optimizer's persistent tensors after the steps divided by the number of trainable parameters.
+optimizer's persistent tensors after the steps (state and working buffers) divided by the number of trainable
+parameters.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/optimizers.py --repeats 7
 """
@@ -100,10 +104,12 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
 
 
 def state_bytes(optimizer: Optimizer) -> int:
-    """Bytes of distinct storages held in the optimizer state (views of one flat buffer counted once)."""
+    """Bytes of distinct storages the optimizer keeps between steps: its state, and for the in-project optimizers and
+    the rounding wrapper also their working buffers (``persistent_tensors``); views of one buffer counted once."""
     holders: list[Any] = [dict(optimizer.state)]
     if isinstance(optimizer, StochasticRoundingWrapper):
-        holders = [dict(optimizer.inner.state), optimizer.persistent_tensors()]
+        holders = [dict(optimizer.inner.state)]
+    holders.append(getattr(optimizer, "persistent_tensors", list)())
     storages = {}
     for tensor in tensors_in(holders):
         storage = tensor.untyped_storage()
@@ -131,31 +137,42 @@ class Case:
             yield self.optimizer.step
 
 
+def reference(params: list[torch.nn.Parameter]) -> Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
 def measure(build: Callable[[list[torch.nn.Parameter]], Optimizer], dtype: torch.dtype, case: str, warmup: int,
             repeats: int) -> dict[str, float]:
-    """Median ms per step; ops, syncs, host reads and uploads of the step after the timed ones; state per param."""
-    times = []
-    timed = Case(build, dtype, case)
-    for index, step in enumerate(timed.steps(warmup + repeats)):
+    """Median ms per step and its ratio to ``torch.optim.AdamW`` (foreach, fp32, all gradients) stepped in turn with
+    it (so that both see the same load); ops, syncs, host reads and uploads of one more step; state per param."""
+    times, ratios = [], []
+    timed, baseline = Case(build, dtype, case), Case(reference, torch.float32, "all")
+    for index, (step, reference_step) in enumerate(zip(timed.steps(warmup + repeats),
+                                                       baseline.steps(warmup + repeats), strict=True)):
         start = time.perf_counter()
+        reference_step()
+        middle = time.perf_counter()
         step()
+        end = time.perf_counter()
         if index >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(end - middle)
+            ratios.append((end - middle) / (middle - start))
     state = state_bytes(timed.optimizer) / sum(p.numel() for p in timed.params)
+    del timed, baseline
     with Counting() as counter:
         for step in Case(build, dtype, case).steps(warmup + repeats + 1):
             counter.next_step()
             step()
     cost = counter.cost
-    return {"ms": statistics.median(times) * 1000, "ops": cost.op_count, "syncs": len(cost.syncs),
-            "host_reads": cost.host_reads, "uploads": cost.uploads, "state": state}
+    return {"ms": statistics.median(times) * 1000, "ratio": statistics.median(ratios), "ops": cost.op_count,
+            "syncs": len(cost.syncs), "host_reads": cost.host_reads, "uploads": cost.uploads, "state": state}
 
 
 def candidates() -> list[tuple[str, Callable[[list[torch.nn.Parameter]], Optimizer]]]:
     import torchastic
 
     rows: list[tuple[str, Callable[[list[torch.nn.Parameter]], Optimizer]]] = [
-        ("reference: torch.optim.AdamW (foreach)", lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=True)),
+        ("reference: torch.optim.AdamW (foreach)", reference),
         ("reference: torchastic.AdamW", lambda p: torchastic.AdamW(p, lr=1e-4)),
     ]
     for spec in REGISTRY.values():
@@ -186,10 +203,12 @@ def cell(build: Callable[[list[torch.nn.Parameter]], Optimizer], dtype: torch.dt
     try:
         result = measure(build, dtype, case, args.warmup, args.repeats)
     except Exception as error:  # a reference refusing a dtype is a result, not a failure
-        return [f"n/a ({type(error).__name__})", "-", "-"], "-"
+        return [f"n/a ({type(error).__name__})", "-", "-", "-"], "-"
     uploads = f" ({result['uploads']} up)" if result["uploads"] else ""
     reads = f" ({result['host_reads']} host)" if result["host_reads"] else ""
-    return [f"{result['ms']:.1f}", f"{result['ops']}{uploads}", f"{result['syncs']}{reads}"], f"{result['state']:.2f}"
+    values = [f"{result['ms']:.1f}", f"{result['ratio']:.2f}", f"{result['ops']}{uploads}",
+              f"{result['syncs']}{reads}"]
+    return values, f"{result['state']:.2f}"
 
 
 def main() -> None:
@@ -222,7 +241,7 @@ def main() -> None:
         print()
         header = ["optimizer"]
         for label in args.dtypes:
-            header += [f"{label} ms/step", f"{label} ops", f"{label} syncs", f"{label} state B/param"]
+            header += [f"{label} ms/step", f"{label} x ref", f"{label} ops", f"{label} syncs", f"{label} B/param"]
         print(f"| {' | '.join(header)} |")
         print(f"|---|{'---:|' * (len(header) - 1)}")
         for name, build in rows:

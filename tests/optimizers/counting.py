@@ -4,8 +4,9 @@ On CUDA every dispatched aten op is (at most) one kernel launch plus a few micro
 of ops per step predicts launch overhead; a host sync stalls the host until the device queue drains. Counted:
 
 * ``ops``: every aten op seen by a ``TorchDispatchMode`` (views included: they cost host time though no kernel).
-  Under a dispatch mode ``torch.compile``d code runs eagerly, so a compiled region counts its eager ops, an upper
-  bound of its launches.
+  While counting, ``torch.compile``d code runs eagerly (``torch.compiler.set_stance("force_eager")``: compiling
+  under a dispatch mode would also leave slow graphs in the compile cache), so a compiled region counts its eager
+  ops, an upper bound of its launches.
 * ``syncs``: ops whose result the host must wait for on a GPU: ``_local_scalar_dense`` (``item()``, ``float(t)``,
   ``bool(t)``, ``int(t)``), ops with a data-dependent output size (``nonzero``, ``masked_select``, ``unique``,
   boolean-mask indexing, ``repeat_interleave`` without ``output_size``), and the Python-level reads
@@ -122,12 +123,15 @@ class Counting(TorchDispatchMode):
 
         for name, original in self._originals.items():
             setattr(torch.Tensor, name, reader(name, original))
+        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._eager.__exit__(*exc)
         for name, original in self._originals.items():
             setattr(torch.Tensor, name, original)
-        super().__exit__(*exc)
 
 
 @contextmanager
