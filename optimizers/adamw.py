@@ -25,17 +25,17 @@ import torch
 from torch import Tensor
 
 from optimizers.base import Batch, SROptimizer, check_betas
-from optimizers.kernels import centralize, column, kept, step_bits, write_
+from optimizers.kernels import Tables, centralize, column, kept, write_
 from optimizers.layout import RowRule, Rows, row_length
 
 
 def adamw_kernel(
-    p: Tensor, g: Tensor, m: Tensor, v: Tensor, columns: Tensor, seeds: Tensor, masked: bool,
-    local: Tensor | None, rows: Rows | None, betas: tuple[float, float], eps: float, centralization: float,
-    rounding: str,
+    p: Tensor, g: Tensor, m: Tensor, v: Tensor, tables: Tables, masked: bool, rows: Rows | None,
+    betas: tuple[float, float], eps: float, centralization: float, rounding: str,
 ) -> None:
-    """One AdamW update on [chunks, C] blocks; ``columns`` = (eta, sqrt(1 - b2^t), 1 - eta*wd, has gradient)."""
+    """One AdamW update on [chunks, C] blocks; ``tables.floats``: eta, sqrt(1 - b2^t), 1 - eta*wd, has gradient."""
     beta1, beta2 = betas
+    columns = tables.columns()
     eta, bc2_sqrt, decay = (column(columns, i) for i in range(3))
     grad = g.float()
     if rows is not None:
@@ -44,7 +44,7 @@ def adamw_kernel(
     v32 = torch.addcmul(v.float() * beta2, grad, grad, value=1.0 - beta2)
     denom = torch.sqrt(v32) / bc2_sqrt + eps
     theta = p.float() * decay + (-eta * m32) / denom
-    bits = step_bits(local, seeds, 0) if rounding == "stochastic" else None
+    bits = tables.bits(0) if rounding == "stochastic" else None
     keep = kept(column(columns, 3)) if masked else None
     write_(m, m32, keep, rounding, bits, 1)
     write_(v, v32, keep, rounding, bits, 2)
@@ -90,6 +90,6 @@ class StochasticAdamW(SROptimizer):
 
     def update(self, group: dict[str, Any], batch: Batch) -> None:
         rows = batch.rows("centre") if group["centralization"] != 0 else None
-        self.run(adamw_kernel, batch.numel, batch.p, batch.g, batch.states["ema"], batch.states["ema_squared"],
-                 batch.columns, batch.seeds, batch.masked, batch.local, rows, group["betas"], group["eps"],
-                 group["centralization"], batch.rounding)
+        self.run(adamw_kernel, batch, batch.p, batch.g, batch.states["ema"], batch.states["ema_squared"],
+                 batch.tables, batch.masked, rows, group["betas"], group["eps"], group["centralization"],
+                 batch.rounding)

@@ -20,6 +20,7 @@ stepping every tensor alone; the fused ``torch.compile`` path (``compiled``) agr
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,11 +29,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from optimizers.kernels import Tables
 from optimizers.layout import FlatLayout, RowRule, Span, to_device
 from optimizers.rounding import stream_seed, tensor_seed
 
 AUTO_NUMEL = 1 << 20
-_compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+_compiled: dict[tuple[Callable[..., Any], int | None], Callable[..., Any]] = {}
 
 
 def check_betas(betas: Any, count: int, name: str) -> tuple[float, ...]:
@@ -54,11 +56,30 @@ def run_closure(closure: Callable[[], Any] | None) -> Any:
         return closure()
 
 
-def compiled_kernel(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile(kernel)``, built once per kernel function."""
-    if kernel not in _compiled:
-        _compiled[kernel] = torch.compile(kernel)
-    return _compiled[kernel]
+@functools.cache
+def cpu_vector_bits() -> int | None:
+    """The CPU vector width for compiled kernels: 256 bits (AVX2) where inductor would pick a wider ISA, else its own.
+
+    The kernels are integer-heavy (hash, rounding) and broadcast one table row per chunk; with 512-bit vectors
+    inductor handles bf16 in 32-lane vectors (wider than a 16-element chunk) and scalarizes every float/int bit cast
+    over 32 lanes. On this project's CPU (a Xeon with AVX-512/AMX) the 256-bit code ran the AdamW step 1.5x and
+    SPARKLES 1.7x faster (bench/results/optimizers-2026-12-01.md).
+    """
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        return 256 if pick_vec_isa().bit_width() > 256 else None
+    except Exception:  # no compiler toolchain or an unknown ISA: let inductor decide
+        return None
+
+
+def compiled_kernel(kernel: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    """``torch.compile(kernel)``, built once per kernel function (on the CPU with ``cpu_vector_bits``)."""
+    simdlen = cpu_vector_bits() if device.type == "cpu" else None
+    key = (kernel, simdlen)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(kernel, options={"cpp.simdlen": simdlen} if simdlen else None)
+    return _compiled[key]
 
 
 class SROptimizer(Optimizer):
@@ -154,12 +175,13 @@ class SROptimizer(Optimizer):
             return "none"
         return "stochastic" if group["stochastic_rounding"] else "nearest"
 
-    def run(self, kernel: Callable[..., Any], numel: int, *args: Any) -> Any:
-        """Call ``kernel`` compiled or eagerly, as ``compiled`` says."""
+    def run(self, kernel: Callable[..., Any], batch: Batch, *args: Any) -> Any:
+        """Call ``kernel`` on ``batch``'s tensors, compiled or eagerly, as ``compiled`` says."""
+        numel, device = batch.numel, batch.layout.device
         use = self.compiled is True or (self.compiled is None and not self._compile_failed and numel >= AUTO_NUMEL)
         if use:
             try:
-                return compiled_kernel(kernel)(*args)
+                return compiled_kernel(kernel, device)(*args)
             except Exception as error:
                 if self.compiled:
                     raise RuntimeError(f"{type(self).__name__}(compiled=True): torch.compile failed ({error}); pass "
@@ -226,24 +248,20 @@ class SROptimizer(Optimizer):
 
 
 class Batch:
-    """One step's inputs on a span: [chunks, C] buffers, per-chunk table columns, element indices, row structures.
+    """One step's inputs on a span: [chunks, C] buffers, the per-tensor ``tables`` and the row structures.
 
-    ``columns`` (floats, last column "has a gradient") and ``seeds`` have one row per chunk, or a single row when the
-    span is one tensor (it broadcasts); ``masked`` says whether some tensor of the span has no gradient.
+    ``masked`` says whether some tensor of the span has no gradient (the write-backs then keep its values).
     """
 
     def __init__(self, optimizer: SROptimizer, group: dict[str, Any], layout: FlatLayout, span: Span,
                  active: set[int]) -> None:
         self.layout, self.span, self.active = layout, span, active
         self.p, self.g, self.states = layout.blocks(span)
-        self.tensor_floats, tensor_seeds = optimizer.tables(group, layout, span, active)
-        if span.t1 - span.t0 == 1:
-            self.columns, self.seeds = self.tensor_floats, tensor_seeds
-        else:
-            self.columns, self.seeds = layout.per_chunk(span, self.tensor_floats, tensor_seeds)
+        floats, seeds = optimizer.tables(group, layout, span, active)
+        owner = None if span.t1 - span.t0 == 1 else layout.owner(span)
+        self.tables = Tables(floats, seeds, owner, layout.chunk_base[span.c0:span.c1], layout.column)
         self.masked = len(active) < span.t1 - span.t0
         self.rounding = optimizer.rounding(group, layout.dtype)
-        self.local = layout.local_index(span) if self.rounding in ("stochastic", "noise") else None
         self.numel = (span.c1 - span.c0) * layout.chunk
 
     def rows(self, kind: str) -> Any:

@@ -8,6 +8,8 @@ bf16 value to bf16 is exact) and is None when all of them have one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -15,9 +17,27 @@ from optimizers.layout import Rows, mean_rows
 from optimizers.rounding import draw16, element_bits, round_bits
 
 
-def step_bits(local: Tensor, seeds: Tensor, stream: int) -> Tensor:
-    """32 hashed bits per element from the per-chunk ``seeds`` column of ``stream`` (see ``SROptimizer.streams``)."""
-    return element_bits(local, seeds[:, stream:stream + 1])
+@dataclass(frozen=True)
+class Tables:
+    """A span's per-tensor tables and how they spread over its chunks; kernels do the spreading themselves, so a
+    compiled kernel reads one table row per chunk instead of materialized per-chunk or per-element copies."""
+
+    floats: Tensor  # [tensors, k] float32: ``SROptimizer.scalars`` + "has a gradient"
+    seeds: Tensor  # [tensors, streams] int32: ``rounding.stream_seed`` of each stream
+    owner: Tensor | None  # [chunks] int64: the tensor of each chunk; None for a one-tensor span (rows broadcast)
+    base: Tensor  # [chunks, 1] int32: index in its tensor of each chunk's first element
+    column: Tensor  # [C] int32: 0 .. C-1
+
+    def spread(self, table: Tensor) -> Tensor:
+        return table if self.owner is None else table.index_select(0, self.owner)
+
+    def columns(self) -> Tensor:
+        """The float table per chunk ([chunks, k], or [1, k])."""
+        return self.spread(self.floats)
+
+    def bits(self, stream: int) -> Tensor:
+        """32 hashed bits per element ([chunks, C]) of ``stream`` (see ``SROptimizer.streams``)."""
+        return element_bits(self.base + self.column, self.spread(self.seeds)[:, stream:stream + 1])
 
 
 def write_(target: Tensor, value: Tensor, keep: Tensor | None, rounding: str, bits: Tensor | None,

@@ -56,10 +56,16 @@ class Rows:
     runs: tuple[tuple[int, int, int], ...]
     of_chunk: Tensor  # int64 [chunks]
 
-    def reduce(self, x: Tensor, reduction: Callable[[Tensor], Tensor]) -> Tensor:
-        """``reduction(block)`` over dim 1 of each run's [rows, length] block of ``x`` ([chunks, C]) -> [rows]."""
-        flat = x.view(-1)
-        parts = [reduction(flat[start:start + rows * length].view(rows, length)) for start, rows, length in self.runs]
+    def reduce(self, x: Tensor, reduction: Callable[[Tensor], Tensor], shift: Tensor | None = None) -> Tensor:
+        """``reduction(block)`` over dim 1 of each run's [rows, length] block of ``x`` ([chunks, C]) -> [rows];
+        ``shift`` (one value per row) is subtracted from every row first."""
+        flat, parts, row = x.view(-1), [], 0
+        for start, rows, length in self.runs:
+            block = flat[start:start + rows * length].view(rows, length)
+            if shift is not None:
+                block = block - shift[row:row + rows].unsqueeze(1)
+            parts.append(reduction(block))
+            row += rows
         return torch.cat(parts)
 
     def spread(self, per_row: Tensor) -> Tensor:
@@ -157,16 +163,10 @@ class FlatLayout:
 
         return block(self.p_flat), block(self.g_flat), {name: block(flat) for name, flat in self.states.items()}
 
-    def per_chunk(self, span: Span, *tables: Tensor) -> list[Tensor]:
-        """Rows of per-tensor ``tables`` (one row per tensor of ``span``) repeated for each of their chunks."""
+    def owner(self, span: Span) -> Tensor:
+        """The tensor of each chunk of ``span``, counted from the span's first tensor ([chunks] int64)."""
         owner = self.chunk_tensor[span.c0:span.c1]
-        if span.t0:
-            owner = owner - span.t0
-        return [table.index_select(0, owner) for table in tables]
-
-    def local_index(self, span: Span) -> Tensor:
-        """[chunks, C] int32: each element's index in its own tensor (the counter of ``rounding.element_bits``)."""
-        return self.chunk_base[span.c0:span.c1] + self.column
+        return owner - span.t0 if span.t0 else owner
 
     def tensor_sums(self, span: Span, partial: Tensor) -> Tensor:
         """Per-tensor sums of per-chunk ``partial`` sums over ``span`` ([chunks] -> [tensors])."""

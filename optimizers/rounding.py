@@ -30,7 +30,7 @@ _MIX1 = 0x7FEB352D
 _MIX2 = 0x846CA68B - (1 << 32)
 _MASK32 = 0xFFFFFFFF
 _SEED_MASK = (1 << 31) - 1
-REMIX = 0x2C1B3C6D  # odd: multiplying by it permutes 32-bit words, so the remixed high half is uniform too
+REMIX = (0x2C1B3C6D, 0x5851F42D)  # odd: multiplying by one permutes 32-bit words, so its high half is uniform too
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 _generators: dict[torch.device, torch.Generator] = {}
 
@@ -128,13 +128,13 @@ def element_bits(local_index: Tensor, seed: Tensor) -> Tensor:
 
 
 def draw16(bits: Tensor, which: int) -> Tensor:
-    """One of three independent 16-bit draws (int32 in [0, 2^16)) from 32 hashed bits: low half, high half, and
-    the high half of an odd multiple (a bijection of the word, so uniform and unrelated to the other two)."""
+    """One of four 16-bit draws (int32 in [0, 2^16)) from 32 hashed bits: the low half, the high half, and the high
+    halves of two odd multiples (bijections of the word, so each draw is uniform)."""
     if which == 0:
         return bits & 0xFFFF
     if which == 1:
         return (bits >> 16) & 0xFFFF
-    return ((bits * REMIX) >> 16) & 0xFFFF
+    return ((bits * REMIX[which - 2]) >> 16) & 0xFFFF
 
 
 def stochastic_round(x: Tensor, generator: torch.Generator | None = None) -> Tensor:

@@ -28,6 +28,7 @@ trigger flags, pass 2 applies the kick to triggered tensors and writes back (``s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterable
@@ -37,8 +38,8 @@ import torch
 from torch import Tensor
 
 from optimizers.base import Batch, SROptimizer, check_betas
-from optimizers.kernels import centralize, column, kept, step_bits, write_
-from optimizers.layout import RowRule, Rows, row_length, std_rows
+from optimizers.kernels import Tables, column, kept, write_
+from optimizers.layout import RowRule, Rows, mean_rows, row_length, std_rows, to_device
 from optimizers.rounding import draw16, seeded_generator, step_seed
 
 STRATEGIES = ("global", "magnitude", "local", "adaptive")
@@ -62,54 +63,117 @@ def normalizes(param: Tensor, normalize_channels: bool) -> bool:
     return std_length(param, normalize_channels) < param.numel() or param.numel() > 2
 
 
-def sparkles_moments_kernel(
-    g: Tensor, p: Tensor, m: Tensor, v: Tensor, prev: Tensor, columns: Tensor, seeds: Tensor, masked: bool,
-    local: Tensor | None, centre: Rows | None, spread: Rows | None, tensor_chunks: Tensor,
-    betas: tuple[float, float], eps: float, centralization: float, amp_fac: float, coupled_decay: float,
-    rounding: str, noise: tuple[float, float],
-) -> tuple[Tensor, Tensor]:
-    """Pass 1 (§7.2 steps 2-10, 15): moments, amplified gradient, the update u and each tensor's kick distance.
+def row_statistics(g: Tensor, centre: Rows | None, spread: Rows | None,
+                   centralization: float) -> tuple[Tensor | None, Tensor | None]:
+    """Row means of the gradient (centralization) and row stds of the centralized gradient (normalization)."""
+    grad = g.float()
+    mean = centre.reduce(grad, mean_rows) if centre is not None else None
+    if spread is None:
+        return mean, None
+    if centre is None:
+        return mean, spread.reduce(grad, std_rows)
+    if spread.runs == centre.runs:  # the usual case: subtract each row's mean inside its own block
+        return mean, spread.reduce(grad, std_rows, shift=centralization * mean)
+    return mean, spread.reduce(grad - centre.spread(centralization * mean), std_rows)
 
-    ``columns`` = (eta, sqrt(1 - b2^t), decay, clip bound, normalization weight, 1 - that weight, has gradient);
-    writes ema, ema_squared and prev_grad; returns u ([chunks, C] fp32) and ||g_hat - g_prev|| per tensor.
-    """
-    beta1, beta2 = betas
-    eta, bc2_sqrt, alpha = column(columns, 0), column(columns, 1), column(columns, 4)
-    keep = kept(column(columns, 6)) if masked else None
+
+def normalized_gradient(g: Tensor, columns: Tensor, centre: Rows | None, mean: Tensor | None, spread: Rows | None,
+                        std: Tensor | None, centralization: float) -> Tensor:
+    """§7.2 steps 2-4: fp32 gradient, centralized with the row ``mean``, blended toward g / (``std`` + 1e-8)."""
     grad = g.float()
     if centre is not None:
-        grad = centralize(grad, centralization, centre)
+        grad = grad - centre.spread(centralization * mean)
     if spread is not None:
-        std = spread.spread(spread.reduce(grad, std_rows) + 1e-8)
-        grad = grad * (column(columns, 5) + torch.reciprocal(std) * alpha)
+        grad = grad * (column(columns, 5) + torch.reciprocal(spread.spread(std + 1e-8)) * column(columns, 4))
+    return grad
+
+
+def moments(grad: Tensor, p: Tensor, m: Tensor, v: Tensor, columns: Tensor, betas: tuple[float, float], eps: float,
+            amp_fac: float, coupled_decay: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """§7.2 steps 5-10: new m, v, the amplified gradient g_hat (plus coupled L2) and the update u."""
+    beta1, beta2 = betas
     m32 = torch.add(m.float() * beta1, grad, alpha=1.0 - beta1)
     amplified = torch.add(grad, m32, alpha=amp_fac)
     v32 = torch.addcmul(v.float() * beta2, amplified, amplified, value=1.0 - beta2)
-    denom = torch.sqrt(v32) / bc2_sqrt + eps
+    denom = torch.sqrt(v32) / column(columns, 1) + eps
     if coupled_decay != 0:
         amplified = torch.add(amplified, p.float(), alpha=coupled_decay)
-    update = (amplified / denom) * eta
-    chunk_norms = torch.linalg.vector_norm(amplified - prev.float(), dim=1)
-    squares = torch.segment_reduce(chunk_norms * chunk_norms, "sum", lengths=tensor_chunks)
-    bits = step_bits(local, seeds, 0) if local is not None else None
+    return m32, v32, amplified, (amplified / denom) * column(columns, 0)
+
+
+def applied(p: Tensor, update: Tensor, columns: Tensor, clip: bool) -> Tensor:
+    """§7.2 steps 12-13: clamp u (``clip_gradients``), decoupled decay, theta - u."""
+    if clip:
+        bound = column(columns, 3)
+        update = torch.clamp(update, min=-bound, max=bound)
+    return p.float() * column(columns, 2) - update
+
+
+def sparkles_statistics_kernel(
+    g: Tensor, p: Tensor, m: Tensor, prev: Tensor, tables: Tables, centre: Rows | None, spread: Rows | None,
+    tensor_chunks: Tensor | None, betas: tuple[float, float], centralization: float, amp_fac: float,
+    coupled_decay: float,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Row means (centralization), row stds (normalization) and, when ``tensor_chunks`` is given, each tensor's kick
+    distance ||g_hat - g_prev|| (§7.2 step 11), without writing anything."""
+    mean, std = row_statistics(g, centre, spread, centralization)
+    if tensor_chunks is None:
+        return mean, std, None
+    columns = tables.columns()
+    grad = normalized_gradient(g, columns, centre, mean, spread, std, centralization)
+    m32 = torch.add(m.float() * betas[0], grad, alpha=1.0 - betas[0])
+    amplified = torch.add(grad, m32, alpha=amp_fac)
+    if coupled_decay != 0:
+        amplified = torch.add(amplified, p.float(), alpha=coupled_decay)
+    norms = torch.linalg.vector_norm(amplified - prev.float(), dim=1)
+    return mean, std, torch.sqrt(torch.segment_reduce(norms * norms, "sum", lengths=tensor_chunks))
+
+
+def sparkles_kernel(
+    g: Tensor, p: Tensor, m: Tensor, v: Tensor, prev: Tensor, tables: Tables, masked: bool, centre: Rows | None,
+    mean: Tensor | None, spread: Rows | None, std: Tensor | None, betas: tuple[float, float], eps: float,
+    centralization: float, amp_fac: float, coupled_decay: float, clip: bool, rounding: str, noise: tuple[float, float],
+) -> None:
+    """One SPARKLES step without kick (§7.2 steps 2-15 but 11) from the row statistics; writes p and the state.
+
+    ``tables.floats`` = (eta, sqrt(1 - b2^t), decay, clip bound, normalization weight, 1 - that weight, has
+    gradient); the write-backs draw m, v, prev_grad and p from one hash per element.
+    """
+    columns = tables.columns()
+    grad = normalized_gradient(g, columns, centre, mean, spread, std, centralization)
+    m32, v32, amplified, update = moments(grad, p, m, v, columns, betas, eps, amp_fac, coupled_decay)
+    theta = applied(p, update, columns, clip)
+    keep = kept(column(columns, 6)) if masked else None
+    bits = tables.bits(0) if rounding in ("stochastic", "noise") else None
     write_state_(m, m32, keep, rounding, bits, 0, noise)
     write_state_(v, v32, keep, rounding, bits, 1, noise)
     write_state_(prev, amplified, keep, rounding, bits, 2, noise)
-    return update, torch.sqrt(squares)
+    write_state_(p, theta, keep, rounding, bits, 3, noise)
 
 
-def sparkles_apply_kernel(
-    p: Tensor, update: Tensor, columns: Tensor, seeds: Tensor, masked: bool, local: Tensor | None, clip: bool,
-    rounding: str, noise: tuple[float, float],
-) -> None:
-    """Pass 2 (§7.2 steps 12-14): clamp u, decoupled decay, theta - u and the parameter write-back."""
-    decay, bound = column(columns, 2), column(columns, 3)
-    keep = kept(column(columns, 6)) if masked else None
-    if clip:
-        update = torch.clamp(update, min=-bound, max=bound)
-    theta = p.float() * decay - update
-    bits = step_bits(local, seeds, 1) if local is not None else None
-    write_state_(p, theta, keep, rounding, bits, 0, noise)
+def sparkles_update_kernel(
+    g: Tensor, p: Tensor, m: Tensor, v: Tensor, prev: Tensor, tables: Tables, centre: Rows | None,
+    spread: Rows | None, betas: tuple[float, float], eps: float, centralization: float, amp_fac: float,
+    coupled_decay: float, rounding: str, noise: tuple[float, float],
+) -> Tensor:
+    """The first half of a kicked tensor's step (one tensor): writes m, v, prev_grad and returns u for the kick."""
+    columns = tables.columns()
+    mean, std = row_statistics(g, centre, spread, centralization)
+    grad = normalized_gradient(g, columns, centre, mean, spread, std, centralization)
+    m32, v32, amplified, update = moments(grad, p, m, v, columns, betas, eps, amp_fac, coupled_decay)
+    bits = tables.bits(0) if rounding in ("stochastic", "noise") else None
+    write_state_(m, m32, None, rounding, bits, 0, noise)
+    write_state_(v, v32, None, rounding, bits, 1, noise)
+    write_state_(prev, amplified, None, rounding, bits, 2, noise)
+    return update
+
+
+def sparkles_apply_kernel(p: Tensor, update: Tensor, tables: Tables, clip: bool, rounding: str,
+                          noise: tuple[float, float]) -> None:
+    """The second half of a kicked tensor's step: clamp, decay, theta - u and the parameter write-back."""
+    theta = applied(p, update, tables.columns(), clip)
+    bits = tables.bits(0) if rounding in ("stochastic", "noise") else None
+    write_state_(p, theta, None, rounding, bits, 3, noise)
 
 
 def write_state_(target: Tensor, value: Tensor, keep: Tensor | None, rounding: str, bits: Tensor | None,
@@ -177,7 +241,6 @@ class SPARKLES(SROptimizer):
     """SPARKLES with fp32 maths, SR write-back for bf16 tensors and at most one host sync per ``step()``."""
 
     state_names = ("ema", "ema_squared", "prev_grad")
-    streams = (0, 1)
 
     def __init__(
         self,
@@ -262,38 +325,55 @@ class SPARKLES(SROptimizer):
         return "stochastic" if group["use_bit_manipulation"] else "noise"
 
     def update(self, group: dict[str, Any], batch: Batch) -> None:
-        """Two passes with one batched read of the kick flags between them (decision (d))."""
+        """Statistics and kick distances, one batched read of the kick flags (decision (d)), then one fused pass
+        for every tensor that is not kicked; a kicked tensor (rare) is stepped alone around its kick."""
         layout, span = batch.layout, batch.span
-        magnitude = group["stochastic_rounding_magnitude"]
-        noise = (group["stochastic_rounding_prob"],
-                 torch.finfo(torch.bfloat16).eps if magnitude is None else float(magnitude))
+        centre = batch.rows("centre") if group["centralization"] != 0 else None
+        spread = batch.rows("std") if group["normalization"] != 0 else None
+        eligible = [t for t in sorted(batch.active) if self.state[layout.params[t]]["step"] > 1]
         coupled = group["weight_decay"] if not group["decouple_weight_decay"] else 0.0
-        update, distance = self.run(
-            sparkles_moments_kernel, batch.numel, batch.g, batch.p, batch.states["ema"],
-            batch.states["ema_squared"], batch.states["prev_grad"], batch.columns, batch.seeds, batch.masked,
-            batch.local,
-            batch.rows("centre") if group["centralization"] != 0 else None,
-            batch.rows("std") if group["normalization"] != 0 else None,
-            layout.tensor_chunks[span.t0:span.t1], group["betas"], group["eps"], group["centralization"],
-            group["amp_fac"], coupled, batch.rounding, noise)
-        eligible = [position for position in sorted(batch.active) if self.state[layout.params[position]]["step"] > 1]
+        mean, std, distance = self.run(
+            sparkles_statistics_kernel, batch, batch.g, batch.p, batch.states["ema"], batch.states["prev_grad"],
+            batch.tables, centre, spread, layout.tensor_chunks[span.t0:span.t1] if eligible else None,
+            group["betas"], group["centralization"], group["amp_fac"], coupled)
         triggered = []
         if eligible:
             flags = (distance < group["stochastic_threshold"]).tolist()
-            triggered = [position for position in eligible if flags[position - span.t0]]
+            triggered = [t for t in eligible if flags[t - span.t0]]
         for position in batch.active:
             self.state[layout.params[position]]["stochastic_applied"] = position in triggered
+        tables, masked = batch.tables, batch.masked
+        if triggered:
+            skipped = to_device([t - span.t0 for t in triggered], torch.int64, layout.device)
+            floats = tables.floats.clone()
+            floats[:, -1].index_fill_(0, skipped, 0.0)
+            tables, masked = dataclasses.replace(tables, floats=floats), True
+        self.run(sparkles_kernel, batch, batch.g, batch.p, batch.states["ema"], batch.states["ema_squared"],
+                 batch.states["prev_grad"], tables, masked, centre, mean, spread, std, group["betas"], group["eps"],
+                 group["centralization"], group["amp_fac"], coupled, self._clips(group), batch.rounding,
+                 self._noise(group))
         for position in triggered:
-            self._kick(group, layout, span, update, position)
-        clip = group["clip_gradients"] and group["clip_lambda"] is not None
-        self.run(sparkles_apply_kernel, batch.numel, batch.p, update, batch.columns, batch.seeds, batch.masked,
-                 batch.local, clip, batch.rounding, noise)
+            self._kicked_step(group, layout, position)
 
-    def _kick(self, group: dict[str, Any], layout: Any, span: Any, update: Tensor, position: int) -> None:
-        """The randomized kick R on one tensor's slice of the update (rare: its gradient repeated exactly)."""
+    def _clips(self, group: dict[str, Any]) -> bool:
+        return bool(group["clip_gradients"]) and group["clip_lambda"] is not None
+
+    def _noise(self, group: dict[str, Any]) -> tuple[float, float]:
+        magnitude = group["stochastic_rounding_magnitude"]
+        return (group["stochastic_rounding_prob"],
+                torch.finfo(torch.bfloat16).eps if magnitude is None else float(magnitude))
+
+    def _kicked_step(self, group: dict[str, Any], layout: Any, position: int) -> None:
+        """Step one tensor whose gradient repeated (distance below the threshold) with the randomized kick R."""
+        batch = Batch(self, group, layout, layout.span(position, position + 1), {position})
+        coupled = group["weight_decay"] if not group["decouple_weight_decay"] else 0.0
+        update = sparkles_update_kernel(
+            batch.g, batch.p, batch.states["ema"], batch.states["ema_squared"], batch.states["prev_grad"],
+            batch.tables, batch.rows("centre") if group["centralization"] != 0 else None,
+            batch.rows("std") if group["normalization"] != 0 else None, group["betas"], group["eps"],
+            group["centralization"], group["amp_fac"], coupled, batch.rounding, self._noise(group))
         param = layout.params[position]
-        start = (layout.first_chunk[position] - span.c0) * layout.chunk
-        view = update.view(-1)[start:start + param.numel()].view_as(param)
-        step = self.state[param]["step"]
-        generator = seeded_generator(param.device, step_seed(group["seed"], step, self._index[param], 1))
-        kick_(view, group, generator)
+        generator = seeded_generator(param.device, step_seed(group["seed"], self.state[param]["step"],
+                                                             self._index[param], 1))
+        kick_(update.view(-1)[:param.numel()].view_as(param), group, generator)
+        sparkles_apply_kernel(batch.p, update, batch.tables, self._clips(group), batch.rounding, self._noise(group))

@@ -82,7 +82,7 @@ class _Shadows:
         seed = to_device([stream_seed(self.seed, step, 0)], torch.int32, self.values.device)
         if self.values.numel() >= AUTO_NUMEL and not self.compile_failed:
             try:
-                compiled_kernel(round_shadows_)(self.values, seed)
+                compiled_kernel(round_shadows_, self.values.device)(self.values, seed)
             except Exception as error:
                 warnings.warn(f"stochastic rounding wrapper: torch.compile failed ({type(error).__name__}: {error}); "
                               "rounding eagerly from now on (same bits, slower)", stacklevel=3)

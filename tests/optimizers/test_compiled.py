@@ -82,7 +82,7 @@ def test_compiled_adamw_step_is_unbiased() -> None:
     assert abs(float(values.mean()) - expected) <= 4 * standard_error
 
 
-def broken_kernel(kernel: object) -> object:
+def broken_kernel(kernel: object, device: object) -> object:
     def fail(*args: object) -> None:
         raise RuntimeError("simulated compiler failure")
 
