@@ -44,7 +44,7 @@ def adamw_kernel(
     v32 = torch.addcmul(v.float() * beta2, grad, grad, value=1.0 - beta2)
     denom = torch.sqrt(v32) / bc2_sqrt + eps
     theta = p.float() * decay + (-eta * m32) / denom
-    bits = tables.bits(0) if rounding == "stochastic" else None
+    bits = tables.bits() if rounding == "stochastic" else None
     keep = kept(column(columns, 3)) if masked else None
     write_(m, m32, keep, rounding, bits, 1)
     write_(v, v32, keep, rounding, bits, 2)

@@ -30,8 +30,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from optimizers.kernels import Tables
-from optimizers.layout import FlatLayout, RowRule, Span, to_device
-from optimizers.rounding import stream_seed, tensor_seed
+from optimizers.layout import FlatLayout, RowRule, Rows, Span, to_device
+from optimizers.rounding import bits_seed, tensor_seed
 
 AUTO_NUMEL = 1 << 20
 _compiled: dict[tuple[Callable[..., Any], int | None], Callable[..., Any]] = {}
@@ -92,7 +92,6 @@ class SROptimizer(Optimizer):
     """
 
     state_names: tuple[str, ...] = ("ema", "ema_squared")
-    streams: tuple[int, ...] = (0,)
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], compiled: bool | None = None) -> None:
         self._index: dict[Tensor, int] = {}
@@ -226,7 +225,7 @@ class SROptimizer(Optimizer):
 
     def tables(self, group: dict[str, Any], layout: FlatLayout, span: Span,
                active: set[int]) -> tuple[Tensor, Tensor]:
-        """Per-tensor float table (``scalars`` + "has a gradient") and int32 table (a ``stream_seed`` per stream)."""
+        """Per-tensor float table (``scalars`` + "has a gradient") and int32 ``bits_seed`` of each tensor."""
         floats: list[float] = []
         ints: list[int] = []
         rows: dict[tuple, tuple[float, ...]] = {}
@@ -241,10 +240,10 @@ class SROptimizer(Optimizer):
             seed_key = (group["seed"], self._index[param])
             if seed_key not in self._seeds:
                 self._seeds[seed_key] = tensor_seed(*seed_key)
-            ints += [stream_seed(self._seeds[seed_key], step, stream) for stream in self.streams]
+            ints.append(bits_seed(self._seeds[seed_key], step))
         count = span.t1 - span.t0
         return (to_device(floats, torch.float32, layout.device).view(count, -1),
-                to_device(ints, torch.int32, layout.device).view(count, -1))
+                to_device(ints, torch.int32, layout.device).view(count, 1))
 
 
 class Batch:
@@ -264,5 +263,5 @@ class Batch:
         self.rounding = optimizer.rounding(group, layout.dtype)
         self.numel = (span.c1 - span.c0) * layout.chunk
 
-    def rows(self, kind: str) -> Any:
+    def rows(self, kind: str) -> Rows:
         return self.layout.rows(kind, self.span)

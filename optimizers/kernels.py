@@ -23,7 +23,7 @@ class Tables:
     compiled kernel reads one table row per chunk instead of materialized per-chunk or per-element copies."""
 
     floats: Tensor  # [tensors, k] float32: ``SROptimizer.scalars`` + "has a gradient"
-    seeds: Tensor  # [tensors, streams] int32: ``rounding.stream_seed`` of each stream
+    seeds: Tensor  # [tensors, 1] int32: ``rounding.bits_seed`` of each tensor's current step
     owner: Tensor | None  # [chunks] int64: the tensor of each chunk; None for a one-tensor span (rows broadcast)
     base: Tensor  # [chunks, 1] int32: index in its tensor of each chunk's first element
     column: Tensor  # [C] int32: 0 .. C-1
@@ -35,9 +35,9 @@ class Tables:
         """The float table per chunk ([chunks, k], or [1, k])."""
         return self.spread(self.floats)
 
-    def bits(self, stream: int) -> Tensor:
-        """32 hashed bits per element ([chunks, C]) of ``stream`` (see ``SROptimizer.streams``)."""
-        return element_bits(self.base + self.column, self.spread(self.seeds)[:, stream:stream + 1])
+    def bits(self) -> Tensor:
+        """32 hashed bits per element ([chunks, C]): take up to four draws with ``rounding.draw16``."""
+        return element_bits(self.base + self.column, self.spread(self.seeds))
 
 
 def write_(target: Tensor, value: Tensor, keep: Tensor | None, rounding: str, bits: Tensor | None,

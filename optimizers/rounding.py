@@ -110,10 +110,10 @@ def _int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def stream_seed(base: int, step: int, stream: int) -> int:
-    """The int32 seed of one tensor's bits at ``step``: ``hash32(step, base ^ stream)`` computed with Python
-    integers on the host (the value ``hash32`` gives on int32 tensors); ``stream`` separates draws of one step."""
-    h = _int32(step * _GOLDEN + (base ^ stream))
+def bits_seed(base: int, step: int) -> int:
+    """The int32 seed of one tensor's bits at ``step``: ``hash32(step, base)`` computed with Python integers on the
+    host (the value ``hash32`` gives on int32 tensors); ``base`` is the tensor's ``tensor_seed``."""
+    h = _int32(step * _GOLDEN + base)
     h = _int32(h ^ ((h >> 16) & 0xFFFF))
     h = _int32(h * _MIX1)
     h = _int32(h ^ ((h >> 15) & 0x1FFFF))
@@ -122,7 +122,7 @@ def stream_seed(base: int, step: int, stream: int) -> int:
 
 
 def element_bits(local_index: Tensor, seed: Tensor) -> Tensor:
-    """32 random bits per element (int32): ``hash32`` of its index in its tensor and the tensor's ``stream_seed``
+    """32 random bits per element (int32): ``hash32`` of its index in its tensor and the tensor's ``bits_seed``
     (int32, broadcast: one value per tensor or per chunk). Take 16-bit draws with ``draw16``."""
     return hash32(local_index, seed)
 

@@ -144,7 +144,7 @@ def sparkles_kernel(
     m32, v32, amplified, update = moments(grad, p, m, v, columns, betas, eps, amp_fac, coupled_decay)
     theta = applied(p, update, columns, clip)
     keep = kept(column(columns, 6)) if masked else None
-    bits = tables.bits(0) if rounding in ("stochastic", "noise") else None
+    bits = tables.bits() if rounding in ("stochastic", "noise") else None
     write_state_(m, m32, keep, rounding, bits, 0, noise)
     write_state_(v, v32, keep, rounding, bits, 1, noise)
     write_state_(prev, amplified, keep, rounding, bits, 2, noise)
@@ -161,7 +161,7 @@ def sparkles_update_kernel(
     mean, std = row_statistics(g, centre, spread, centralization)
     grad = normalized_gradient(g, columns, centre, mean, spread, std, centralization)
     m32, v32, amplified, update = moments(grad, p, m, v, columns, betas, eps, amp_fac, coupled_decay)
-    bits = tables.bits(0) if rounding in ("stochastic", "noise") else None
+    bits = tables.bits() if rounding in ("stochastic", "noise") else None
     write_state_(m, m32, None, rounding, bits, 0, noise)
     write_state_(v, v32, None, rounding, bits, 1, noise)
     write_state_(prev, amplified, None, rounding, bits, 2, noise)
@@ -172,7 +172,7 @@ def sparkles_apply_kernel(p: Tensor, update: Tensor, tables: Tables, clip: bool,
                           noise: tuple[float, float]) -> None:
     """The second half of a kicked tensor's step: clamp, decay, theta - u and the parameter write-back."""
     theta = applied(p, update, tables.columns(), clip)
-    bits = tables.bits(0) if rounding in ("stochastic", "noise") else None
+    bits = tables.bits() if rounding in ("stochastic", "noise") else None
     write_state_(p, theta, None, rounding, bits, 3, noise)
 
 

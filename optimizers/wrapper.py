@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 
 from optimizers.base import AUTO_NUMEL, compiled_kernel, run_closure
 from optimizers.layout import to_device
-from optimizers.rounding import element_bits, round_bits, stream_seed, tensor_seed
+from optimizers.rounding import bits_seed, element_bits, round_bits, tensor_seed
 from optimizers.spec import OptimizerConfigError
 
 SR_KEY = "stochastic_rounding"
@@ -79,7 +79,7 @@ class _Shadows:
         """Round the buffer stochastically and copy the rounded values into the parameters ``active``."""
         if not active:
             return
-        seed = to_device([stream_seed(self.seed, step, 0)], torch.int32, self.values.device)
+        seed = to_device([bits_seed(self.seed, step)], torch.int32, self.values.device)
         if self.values.numel() >= AUTO_NUMEL and not self.compile_failed:
             try:
                 compiled_kernel(round_shadows_, self.values.device)(self.values, seed)

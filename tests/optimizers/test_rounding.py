@@ -7,6 +7,7 @@ import torch
 
 from optimizers.rounding import (
     add_stochastic_,
+    bits_seed,
     copy_stochastic_,
     hash32,
     round_with_bits,
@@ -14,7 +15,6 @@ from optimizers.rounding import (
     seeded_generator,
     step_seed,
     stochastic_round,
-    stream_seed,
     tensor_seed,
 )
 
@@ -123,15 +123,14 @@ def test_step_seed_separates_its_inputs() -> None:
     assert all(0 <= seed < 1 << 63 for seed in seeds)
 
 
-def test_host_stream_seed_equals_the_int32_tensor_hash() -> None:
+def test_host_bits_seed_equals_the_int32_tensor_hash() -> None:
     bases = [tensor_seed(seed, index) for seed in (0, 7) for index in (0, 1, 527)] + [0, (1 << 31) - 1]
     steps = [0, 1, 2, 1000, (1 << 31) - 1]
-    for stream in (0, 1):
-        host = [stream_seed(base, step, stream) for base in bases for step in steps]
-        device = hash32(torch.tensor([step for _ in bases for step in steps], dtype=torch.int32),
-                        torch.tensor([base ^ stream for base in bases for _ in steps], dtype=torch.int32))
-        assert host == device.tolist()
-    assert len({stream_seed(bases[0], step, stream) for step in range(100) for stream in (0, 1)}) == 200
+    host = [bits_seed(base, step) for base in bases for step in steps]
+    device = hash32(torch.tensor([step for _ in bases for step in steps], dtype=torch.int32),
+                    torch.tensor([base for base in bases for _ in steps], dtype=torch.int32))
+    assert host == device.tolist()
+    assert len({bits_seed(bases[0], step) for step in range(1000)}) == 1000
 
 
 def test_add_stochastic_scales_the_right_operand() -> None:
