@@ -19,9 +19,12 @@ Update per parameter (§7.2), in fp32 on copies::
 Decisions (§7.5): (a) ``normalization`` is the documented blend (the reference's in-place lerp aliases and always
 divides by std; use normalization=1.0 to reproduce it); (b) a slice of one element falls back to the whole-tensor
 std, never NaN; (c) the "adaptive" kick works (tensor maths; the reference raises TypeError); (d) ``step()`` makes at
-most one host synchronisation: pass 1 computes every update and kick distance on the device, one transfer reads all
-trigger flags, pass 2 applies the kick to triggered tensors and writes back (``step_parameter`` reads its one flag);
-(e) decay on the fp32 copy before the single write-back; (g) early-step inflation is kept: warm up the LR.
+most one host synchronisation: a statistics pass computes the row means and stds and every tensor's kick distance on
+the device (nothing written), one transfer reads all trigger flags, then one fused pass steps every tensor that is
+not kicked and a kicked tensor (rare: its processed gradient repeated) is stepped alone in two passes around its
+kick (``step_parameter`` reads its one flag); (e) decay on the fp32 copy before the single write-back; (g) early-step
+inflation is kept: warm up the LR. All tensors of a group step together (``optimizers.base``; ``compiled`` fuses the
+passes) with the reference's operations, so eager results are bit for bit those of stepping each tensor alone.
 ``use_bit_manipulation=False`` selects the reference's noise path (round to nearest, then +-magnitude with probability
 ``stochastic_rounding_prob``): biased and large next to LoRA weights, kept for compatibility, with a warning.
 """

@@ -155,3 +155,20 @@ def test_rounding_wrapper_overhead_does_not_grow_with_the_number_of_tensors(case
         assert all(not cost.syncs for cost in costs)
         counts[count] = [cost.op_count for cost in costs[1:]]
     assert counts[8] == counts[64], f"{case}: ops per step {counts}"
+
+
+def test_rounding_wrapper_is_unbiased_and_leaves_tensors_without_gradient_alone() -> None:
+    """SGD steps of -lr*g = -3e-4 on bf16 ones (ulp 2^-7 = 7.8e-3): nearest rounding would keep 1.0; stochastic
+    rounding from the wrapper's single hashed stream must average 1 - 3e-4 (fp64 value) within 4 standard errors."""
+    params = [torch.nn.Parameter(torch.ones(50_000, dtype=torch.bfloat16)) for _ in range(3)]
+    wrapper = StochasticRoundingWrapper([{"params": params}], lambda groups: torch.optim.SGD(groups, lr=0.3))
+    for param in params[:2]:
+        param.grad = torch.full_like(param, 1e-3)
+    wrapper.step()
+    values = torch.cat([param.detach().double() for param in params[:2]])
+    standard_error = float(values.std()) / values.numel() ** 0.5
+    assert standard_error > 0
+    assert abs(float(values.mean()) - (1.0 - 0.3 * float(torch.tensor(1e-3, dtype=torch.bfloat16)))) \
+        <= 4 * standard_error
+    assert torch.equal(params[2].detach(), torch.ones(50_000, dtype=torch.bfloat16))
+    assert not torch.equal(params[0].detach(), params[1].detach()), "both tensors drew the same bits"
