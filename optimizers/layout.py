@@ -11,8 +11,8 @@ versions. Per step, whatever the number of tensors:
   statistics over rows (slices along dim 0) or whole tensors come from ``Rows``: tensors are ordered so that rows of
   equal length sit next to each other, each run of them is reduced as one ``[rows, length]`` block (the same
   reduction, bit for bit, as the tensor's own ``mean``/``std`` over dims 1..n) and the row values are gathered back
-  per chunk; sums per tensor use ``segment_reduce`` over each tensor's chunks. The op count grows with the number
-  of distinct row lengths of the network (a handful), not with the number of tensors;
+  per chunk; sums per tensor reduce each tensor's chunks with ``segment_reduce`` (``tensor_chunks``). The op count
+  grows with the number of distinct row lengths of the network (a handful), not with the number of tensors;
 * the new parameters are copied back with one ``_foreach_copy_``.
 
 ``C`` divides every row length in use (a chunk never straddles two rows) and is at most ``CHUNK``; without row rules
@@ -167,10 +167,6 @@ class FlatLayout:
         """The tensor of each chunk of ``span``, counted from the span's first tensor ([chunks] int64)."""
         owner = self.chunk_tensor[span.c0:span.c1]
         return owner - span.t0 if span.t0 else owner
-
-    def tensor_sums(self, span: Span, partial: Tensor) -> Tensor:
-        """Per-tensor sums of per-chunk ``partial`` sums over ``span`` ([chunks] -> [tensors])."""
-        return torch.segment_reduce(partial, "sum", lengths=self.tensor_chunks[span.t0:span.t1])
 
     def rows(self, kind: str, span: Span) -> Rows:
         """The ``kind`` rows of ``span`` (cached per span)."""

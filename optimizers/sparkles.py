@@ -42,7 +42,7 @@ from torch import Tensor
 
 from optimizers.base import Batch, SROptimizer, check_betas
 from optimizers.kernels import Tables, column, kept, write_
-from optimizers.layout import RowRule, Rows, mean_rows, row_length, std_rows, to_device
+from optimizers.layout import FlatLayout, RowRule, Rows, mean_rows, row_length, std_rows, to_device
 from optimizers.rounding import draw16, seeded_generator, step_seed
 
 STRATEGIES = ("global", "magnitude", "local", "adaptive")
@@ -366,7 +366,7 @@ class SPARKLES(SROptimizer):
         return (group["stochastic_rounding_prob"],
                 torch.finfo(torch.bfloat16).eps if magnitude is None else float(magnitude))
 
-    def _kicked_step(self, group: dict[str, Any], layout: Any, position: int) -> None:
+    def _kicked_step(self, group: dict[str, Any], layout: FlatLayout, position: int) -> None:
         """Step one tensor whose gradient repeated (distance below the threshold) with the randomized kick R."""
         batch = Batch(self, group, layout, layout.span(position, position + 1), {position})
         coupled = group["weight_decay"] if not group["decouple_weight_decay"] else 0.0

@@ -64,11 +64,12 @@ def step_costs(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter
 @pytest.mark.parametrize("name", NATIVE)
 def test_op_count_does_not_grow_with_the_number_of_tensors(name: str, dtype: torch.dtype, case: str) -> None:
     counts = {}
+    syncs = 1 if name == "SPARKLES" else 0  # SPARKLES reads its kick flags once per step (decision (d))
     for count in (8, 64):
         params = make_params(count, dtype)
         costs = step_costs(build_optimizer(name, params, 1e-3), params, case)
         counts[count] = [cost.op_count for cost in costs[1:]]
-        assert all(len(cost.syncs) <= 1 for cost in costs), f"{name}: {[cost.syncs for cost in costs]}"
+        assert all(len(cost.syncs) <= syncs for cost in costs), f"{name}: {[cost.syncs for cost in costs]}"
         for cost in costs[1:]:  # the first step builds the flat layout (index tables made once)
             assert cost.uploads <= 2, f"{name}: {cost.uploads} tensors made from host data in one step"
     assert counts[8] == counts[64], f"{name} {case}: ops per step {counts}"
@@ -124,6 +125,37 @@ def test_step_equals_step_parameter_of_each_tensor_with_skips(name: str) -> None
             per_tensor.step_parameter(param)
     for a, b in zip(batched, hooked, strict=True):
         assert torch.equal(a.detach(), b.detach())
+
+
+def test_sparkles_kicks_some_tensors_of_a_batch_and_steps_the_others_once() -> None:
+    """Even tensors get the same tiny gradient every step (kick distance ~1e-3 at step 2), odd ones fresh unit
+    gradients (distance ~10): with threshold 1 only the even ones are kicked. Against the same run with threshold 0
+    (no kick), fp32: the odd tensors end bitwise equal and the even ones moved by a permutation of the same update
+    (the kick permutes rows, ``global`` strategy), so no tensor was stepped twice or left out."""
+    options = {"centralization": 0.0, "normalization": 0.0, "seed": 5}
+    kicking, plain = make_params(6, torch.float32), make_params(6, torch.float32)
+    optimizers = [build_optimizer("SPARKLES", params, 1e-2, stochastic_threshold=threshold, **options)
+                  for params, threshold in ((kicking, 1.0), (plain, 0.0))]
+    repeated = [torch.randn(param.shape, generator=torch.Generator().manual_seed(i)) * 1e-4
+                for i, param in enumerate(kicking)]
+    for step in range(2):
+        before = [param.detach().clone() for param in kicking]
+        fresh = torch.Generator().manual_seed(100 + step)
+        for i, param in enumerate(kicking):
+            param.grad = repeated[i].clone() if i % 2 == 0 else torch.randn(param.shape, generator=fresh)
+        for a, b in zip(kicking, plain, strict=True):
+            b.grad = a.grad.clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    flags = [optimizers[0].state[param]["stochastic_applied"] for param in kicking]
+    assert flags == [i % 2 == 0 for i in range(6)]
+    for i, (a, b, start) in enumerate(zip(kicking, plain, before, strict=True)):
+        if i % 2:
+            assert torch.equal(a.detach(), b.detach())
+        else:
+            kicked, update = start - a.detach(), start - b.detach()
+            assert not torch.equal(kicked, update)
+            torch.testing.assert_close(kicked.sort(dim=0).values, update.sort(dim=0).values)
 
 
 def test_compass_skips_match_the_fp64_reference() -> None:
