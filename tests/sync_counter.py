@@ -4,7 +4,8 @@ A host sync stalls Python until the device queue drains. Counted as one:
 
 * ``aten._local_scalar_dense``: what ``Tensor.item()``, ``float(t)``, ``int(t)`` and ``bool(t)`` (an ``if`` on a
   tensor) dispatch to;
-* ops whose output size depends on the data (``nonzero``, ``masked_select``, ``unique``..., boolean-mask indexing);
+* ops whose output size depends on the data (``nonzero``, ``masked_select``, ``unique``..., boolean-mask indexing,
+  ``repeat_interleave`` of a repeats tensor without ``output_size``);
 * ``Tensor.tolist()`` and ``Tensor.numpy()``, which read the values without dispatching on the CPU;
 * on CUDA, a blocking copy between a CUDA tensor and host memory (``non_blocking`` from pinned memory is not one).
 
@@ -88,9 +89,12 @@ class SyncCounter(TorchDispatchMode):
         for tensor in _tensors(value):
             self._host.add(_key(tensor))
 
+    def _sync(self, what: str) -> None:
+        self.syncs.append(what)
+
     def _read(self, tensor: torch.Tensor, what: str) -> None:
         if not self._paused and _key(tensor) not in self._host:
-            self.syncs.append(what)
+            self._sync(what)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -100,12 +104,14 @@ class SyncCounter(TorchDispatchMode):
             if name == "_local_scalar_dense":
                 self._read(args[0], f"{name} ({args[0].dtype})")
             elif name in DATA_DEPENDENT:
-                self.syncs.append(name)
+                self._sync(name)
             elif name in ("index", "index_put", "index_put_") and any(
                     isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or ())):
-                self.syncs.append(f"{name} with a boolean mask")
+                self._sync(f"{name} with a boolean mask")
+            elif name == "repeat_interleave" and func._overloadname == "Tensor" and kwargs.get("output_size") is None:
+                self._sync("repeat_interleave without output_size")
             elif _blocking_transfer(name, args, kwargs):
-                self.syncs.append(f"blocking {name} between host and CUDA")
+                self._sync(f"blocking {name} between host and CUDA")
         result = func(*args, **kwargs)
         host = self._paused or name == "lift_fresh" or (bool(inputs) and all(_key(t) in self._host for t in inputs))
         for output in _tensors(result):
