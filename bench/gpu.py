@@ -6,9 +6,9 @@ and train_network.py's s/step and peak CUDA memory on the SD1.5 architecture.
 
 Without CUDA (and without ``--dry-run``) it prints why and exits 0 without writing anything.
 
-1. Compiled kernel: ``StochasticAdamW(compiled=True)`` (the flat ``torch.compile``d SR AdamW kernel,
-   ``optimizers/flat.py``; inductor generates Triton kernels on CUDA) against ``compiled=False`` on bf16 SD1.5
-   LoRA shapes from the same start: first-step seconds (the compile), ms/step, host syncs per step
+1. Compiled kernel: ``StochasticAdamW(compiled=True)`` (the ``torch.compile``d SR AdamW kernel over the flat
+   buffers of ``optimizers/layout.py``; inductor generates Triton kernels on CUDA) against ``compiled=False`` on bf16
+   SD1.5 LoRA shapes from the same start: first-step seconds (the compile), ms/step, host syncs per step
    (``tests/sync_counter.py``), Triton kernels generated, and how far the two parameter trajectories are apart
    relative to the distance travelled (both round stochastically, with other bits: a few percent is rounding noise;
    a systematic difference shows as a bias).
