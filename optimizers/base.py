@@ -62,8 +62,8 @@ def cpu_vector_bits() -> int | None:
 
     The kernels are integer-heavy (hash, rounding) and broadcast one table row per chunk; with 512-bit vectors
     inductor handles bf16 in 32-lane vectors (wider than a 16-element chunk) and scalarizes every float/int bit cast
-    over 32 lanes. On this project's CPU (a Xeon with AVX-512/AMX) the 256-bit code ran the AdamW step 1.5x and
-    SPARKLES 1.7x faster (bench/results/optimizers-2026-12-01.md).
+    over 32 lanes. On this project's CPU (a Xeon with AVX-512/AMX) the 256-bit code ran the StochasticAdamW step
+    1.4x and SPARKLES 2.7x faster (bench/results/optimizers-2026-12-01.md).
     """
     try:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
