@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
-import platform
 import random
 import statistics
 import sys
@@ -42,6 +41,7 @@ from torch.optim import Optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import machine, reproduce_command  # noqa: E402
 from optimizers import REGISTRY, StochasticRoundingWrapper, build_optimizer  # noqa: E402
 from tests.optimizers.counting import Counting  # noqa: E402
 
@@ -187,17 +187,6 @@ def candidates() -> list[tuple[str, Callable[[list[torch.nn.Parameter]], Optimiz
     return rows
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def cell(build: Callable[[list[torch.nn.Parameter]], Optimizer], dtype: torch.dtype, case: str,
          args: argparse.Namespace) -> tuple[list[str], str]:
     try:
@@ -221,19 +210,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     params = lora_parameters(torch.float32)
-    versions = []
+    installed = []
     for package in PACKAGES:
         try:
-            versions.append(f"{package} {importlib.metadata.version(package)}")
+            importlib.metadata.version(package)
+            installed.append(package)
         except importlib.metadata.PackageNotFoundError:
-            versions.append(f"{package} (not installed)")
-    print(f"Machine: {cpu_name()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
-          f"Python {platform.python_version()}; load average at start {os.getloadavg()[0]:.2f}")
-    print(f"Threads: {torch.get_num_threads()}; versions: {', '.join(versions)}")
+            pass
+    print(f"{machine(tuple(installed))} at the start; torch threads {torch.get_num_threads()}")
     print(f"Shapes: SD1.5 LoRA rank {RANK} (U-Net + text encoder), {len(lora_module_shapes())} modules, "
           f"{len(params)} tensors, {sum(p.numel() for p in params):,} parameters")
     print(f"Median of {args.repeats} steps after {args.warmup} warm-up steps; ops/syncs of one more step; command: "
-          f"OMP_NUM_THREADS=1 .venv/bin/python bench/optimizers.py {' '.join(sys.argv[1:])}".rstrip())
+          f"{reproduce_command('optimizers.py')}")
     rows = [(name, build) for name, build in candidates() if not args.only or name in args.only]
     for case in args.cases:
         print()
