@@ -46,7 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.memory_speed import write_images  # noqa: E402
+from bench.common import write_images  # noqa: E402
 from bench.optimizers import lora_parameters, state_bytes  # noqa: E402
 from tests.sync_counter import SyncCounter  # noqa: E402
 
