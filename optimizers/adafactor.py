@@ -13,13 +13,16 @@ from optimizers.lr import effective_lrs
 
 
 class RelativeStepSchedule(AdafactorSchedule):
-    """transformers' AdafactorSchedule whose reported LRs come from ``optimizers.effective_lrs``.
+    """transformers' AdafactorSchedule whose reported LRs come from ``optimizers.effective_lrs``, which also works
+    through the stochastic-rounding wrapper (whose state is keyed by fp32 shadows).
 
-    That also works through the stochastic-rounding wrapper (whose state is keyed by fp32 shadows) and before the
-    first step.
+    Before the first update it reports ``initial_lr`` (the ``<lr>`` of ``adafactor:<lr>``), as transformers' schedule
+    does while no parameter has a gradient, so sd-scripts' first reported LR is matched.
     """
 
     def get_lr(self) -> list[float]:
+        if self.last_epoch == 0:
+            return list(self.base_lrs)
         return effective_lrs(self.optimizer)
 
 

@@ -55,6 +55,15 @@ def test_adaptive_adafactor_reports_its_relative_step(dtype: torch.dtype) -> Non
     assert schedule.get_last_lr()[0] == pytest.approx(effective_lrs(optimizer)[0], rel=2e-2)
 
 
+def test_adafactor_schedule_reports_the_initial_lr_before_the_first_update() -> None:
+    from transformers.optimization import Adafactor, AdafactorSchedule
+
+    params = make_params(torch.float32)
+    reference = AdafactorSchedule(Adafactor([p.detach().clone().requires_grad_() for p in params], lr=None), 1e-3)
+    schedule = build_adafactor_schedule(build_optimizer("Adafactor", params, 1e-3), 1e-3)
+    assert schedule.get_last_lr() == reference.get_last_lr() == [1e-3]
+
+
 def test_adafactor_scheduler_rule() -> None:
     assert needs_adafactor_scheduler("adafactor", {"warmup_init": True, "relative_step": False})
     assert not needs_adafactor_scheduler("Adafactor", {"Relative Step": False, "Scale Parameter": False})
