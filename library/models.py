@@ -79,7 +79,7 @@ def _load_diffusers_folder(path: Path, *, v2: bool, v_parameterization: bool) ->
     )
 
 
-def _replace_vae(model: SDModel, vae_path: str) -> None:
+def replace_vae(model: SDModel, vae_path: str) -> None:
     """``--vae``: a diffusers VAE folder (config.json, or a pipeline folder with vae/) or a single-file VAE."""
     from diffusers import AutoencoderKL
 
@@ -118,7 +118,7 @@ def load_sd_model(
     else:
         model = _load_path(Path(path), v2=v2, v_parameterization=v_parameterization, file_device=file_device)
     if vae is not None:
-        _replace_vae(model, vae)
+        replace_vae(model, vae)
     return model
 
 

@@ -53,7 +53,8 @@ def unet_key_map(keys: list[str], layers_per_block: int = 2) -> dict[str, str]:
 
     LDM numbers ``input_blocks`` consecutively: 0 is conv_in, then per down block ``layers_per_block`` (resnet,
     attention) pairs and one downsampler; ``output_blocks`` hold ``layers_per_block + 1`` (resnet, attention,
-    upsampler) triples per up block; ``middle_block`` is resnet, attention, resnet.
+    upsampler) triples per up block; ``middle_block`` is resnet, attention, resnet. SDXL's size-conditioning MLP
+    (``add_embedding``) is ``label_emb.0``.
     """
     n = layers_per_block
     up_with_attention = {int(k.split(".")[1]) for k in keys if re.match(r"up_blocks\.\d+\.attentions\.", k)}
@@ -63,6 +64,8 @@ def unet_key_map(keys: list[str], layers_per_block: int = 2) -> dict[str, str]:
         "conv_in.": "input_blocks.0.0.",
         "conv_norm_out.": "out.0.",
         "conv_out.": "out.2.",
+        "add_embedding.linear_1.": "label_emb.0.0.",
+        "add_embedding.linear_2.": "label_emb.0.2.",
     }
     patterns: list[tuple[str, Callable[[re.Match[str]], str]]] = [
         (r"down_blocks\.(\d+)\.resnets\.(\d+)\.(.*)",
@@ -183,11 +186,29 @@ def diffusers_to_openclip(state: StateDict, num_layers: int) -> StateDict:
     return out
 
 
-def read_state_dict(path: Path, device: str = "cpu") -> tuple[StateDict, dict[str, str]]:
+def read_state_dict(path: Path, device: str = "cpu", *, mmap: bool = True) -> tuple[StateDict, dict[str, str]]:
     """Tensors (on ``device``) and metadata of a checkpoint; ``.ckpt``/``.pt`` only via
-    ``torch.load(weights_only=True)``."""
+    ``torch.load(weights_only=True)``.
+
+    ``mmap=False`` reads a ``.safetensors`` file into memory in one go instead of memory-mapping it (sd-scripts'
+    ``--disable_mmap_load_safetensors``, faster on WSL and network drives).
+    """
     import torch
 
+    if path.suffix.lower() == ".safetensors" and not mmap:
+        import json
+
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        data = path.read_bytes()
+        try:
+            header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+            tensors = load(data)
+        except (SafetensorError, ValueError) as exc:
+            raise UserError(f"{path}: cannot be read as a .safetensors file ({exc}); it is truncated (an interrupted "
+                            "download or copy?) or not a safetensors file: download or copy it again") from None
+        return {k: v.to(device) for k, v in tensors.items()}, dict(header.get("__metadata__") or {})
     if path.suffix.lower() == ".safetensors":
         from safetensors import SafetensorError, safe_open
 
@@ -227,6 +248,8 @@ def detect_config(path: Path, state: StateDict, metadata: dict[str, str], *, v_p
             f"{path}: no {UNET_PREFIX}input_blocks.0.0.weight, so it is not a single-file SD 1.x/2.x checkpoint "
             "(a LoRA or a VAE-only file?); give a full model"
         )
+    if any(k.startswith("conditioner.embedders.") for k in state):
+        raise UserError(f"{path} is a Stable Diffusion XL checkpoint; train it with sdxl_train_network.py")
     is_v2 = any(k.startswith(OPENCLIP_PREFIX) for k in state)
     if conv_in.shape[0] == 320:
         return ("sd2-768-v" if v_parameterization else "sd2-512") if is_v2 else "sd15"

@@ -5,7 +5,9 @@ network converts them itself (``networks/lora.py`` ``create_network`` / ``get_bl
 ``get_block_lr_weight``). Here every key is converted and range-checked up front: a bad value or an unknown key is a
 ``UserError`` naming the key and what it accepts, where sd-scripts would assert, crash later or silently ignore it.
 
-Block indices (SD1.x/2.x U-Net, 25 of them): 0 unused, 1-11 down (1 + 3*block + j), 12 mid, 13-24 up.
+Block indices (SD1.x/2.x U-Net, 25 of them): 0 unused, 1-11 down (1 + 3*block + j), 12 mid, 13-24 up. SDXL has 23
+(``networks/families.py``): 9 input, 3 middle and 9 output blocks, with the time embedding before and the output
+after; its block LR weights are 9 down, 3 mid and 9 up values, padded with 1.0 at both ends as upstream.
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from library.errors import UserError, did_you_mean
+from networks.families import SD_BLOCKS, BlockLayout
 
-NUM_BLOCKS = 12
-NUM_MID_BLOCKS = 1
-NUM_TOTAL_BLOCKS = NUM_BLOCKS * 2 + NUM_MID_BLOCKS  # 25
 LR_WEIGHT_PRESETS = ("cosine", "sine", "linear", "reverse_linear", "zeros")
 
 ACCEPTED_KEYS = (
@@ -104,23 +104,23 @@ def _non_negative_int(key: str, value: Any) -> int:
     return number
 
 
-def _block_list(key: str, value: str, integer: bool) -> list[Any]:
+def _block_list(key: str, value: str, integer: bool, layout: BlockLayout) -> list[Any]:
     items = [s.strip() for s in str(value).split(",")]
-    if len(items) != NUM_TOTAL_BLOCKS:
+    if len(items) != layout.total:
         raise UserError(
-            f"network_args {key}: needs exactly {NUM_TOTAL_BLOCKS} comma-separated values for SD1.x/2.x "
-            f"(block 0 unused, 1-11 down, 12 mid, 13-24 up), got {len(items)}"
+            f"network_args {key}: needs exactly {layout.total} comma-separated values for {layout.description}, "
+            f"got {len(items)}"
         )
     if integer:
         return [_non_negative_int(key, s) for s in items]
     return [_number(key, s) for s in items]
 
 
-def _lr_weight_list(key: str, value: str, length: int) -> list[float]:
+def _lr_weight_list(key: str, value: str, length: int, presets: bool) -> list[float]:
     """A comma list (empty entries = 0, as sd-scripts) or, for down/up, a preset name with optional ``+base``."""
     text = str(value).strip()
     name, _, base_text = text.partition("+")
-    if name in LR_WEIGHT_PRESETS and length == NUM_BLOCKS:
+    if name in LR_WEIGHT_PRESETS and presets:
         base = _number(key, base_text) if base_text else 0.0
         n = length - 1
         curves = {
@@ -134,35 +134,39 @@ def _lr_weight_list(key: str, value: str, length: int) -> list[float]:
     try:
         weights = [float(s) if s.strip() else 0.0 for s in text.split(",")]
     except ValueError:
-        presets = f" or one of {', '.join(LR_WEIGHT_PRESETS)} (optionally +base)" if length == NUM_BLOCKS else ""
-        raise UserError(f"network_args {key}={value!r}: expected comma-separated numbers{presets}") from None
+        hint = f" or one of {', '.join(LR_WEIGHT_PRESETS)} (optionally +base)" if presets else ""
+        raise UserError(f"network_args {key}={value!r}: expected comma-separated numbers{hint}") from None
     # sd-scripts: too long is truncated, too short is padded with 1.0
     return (weights + [1.0] * length)[:length]
 
 
-def parse_block_lr_weight(kwargs: Mapping[str, Any]) -> list[float] | None:
-    """The 25 per-block LR weights from down/mid/up_lr_weight, or None when none is given.
+def parse_block_lr_weight(kwargs: Mapping[str, Any], layout: BlockLayout = SD_BLOCKS) -> list[float] | None:
+    """The per-block LR weights (25 for SD1.x/2.x, 23 for SDXL) from down/mid/up_lr_weight, or None when none is
+    given.
 
-    A weight <= ``block_lr_zero_threshold`` becomes 0 (that block gets no LoRA modules). The list is down(12) +
-    mid(1) + up(12) as sd-scripts' ``get_block_lr_weight``; entry i belongs to block index i (entry 0 is the input
-    conv, never targeted).
+    A weight <= ``block_lr_zero_threshold`` becomes 0 (that block gets no LoRA modules). The list is down + mid + up
+    as sd-scripts' ``get_block_lr_weight`` (SD1: 12 + 1 + 12; SDXL: 1.0 + 9 + 3 + 9 + 1.0); entry i belongs to block
+    index i (SD1's entry 0 is the input conv, never targeted).
     """
     down, mid, up = (kwargs.get(k) for k in ("down_lr_weight", "mid_lr_weight", "up_lr_weight"))
     if down is None and mid is None and up is None:
         return None
     threshold = _number("block_lr_zero_threshold", kwargs.get("block_lr_zero_threshold") or 0.0)
+    side, mids = layout.per_side, layout.mid
     parts = [
-        _lr_weight_list("down_lr_weight", down, NUM_BLOCKS) if down is not None else [1.0] * NUM_BLOCKS,
-        _lr_weight_list("mid_lr_weight", mid, NUM_MID_BLOCKS) if mid is not None else [1.0] * NUM_MID_BLOCKS,
-        _lr_weight_list("up_lr_weight", up, NUM_BLOCKS) if up is not None else [1.0] * NUM_BLOCKS,
+        _lr_weight_list("down_lr_weight", down, side, True) if down is not None else [1.0] * side,
+        _lr_weight_list("mid_lr_weight", mid, mids, False) if mid is not None else [1.0] * mids,
+        _lr_weight_list("up_lr_weight", up, side, True) if up is not None else [1.0] * side,
     ]
-    return [w if w > threshold else 0.0 for part in parts for w in part]
+    weights = [w if w > threshold else 0.0 for part in parts for w in part]
+    return [1.0, *weights, 1.0] if layout.padded else weights
 
 
 def parse_network_args(
-    network_dim: int | None, network_alpha: float | None, neuron_dropout: float | None, kwargs: Mapping[str, Any]
+    network_dim: int | None, network_alpha: float | None, neuron_dropout: float | None, kwargs: Mapping[str, Any],
+    layout: BlockLayout = SD_BLOCKS,
 ) -> LoRAArgs:
-    """Convert and validate everything ``networks.lora.create_network`` receives.
+    """Convert and validate everything ``networks.lora.create_network`` receives (block lists sized by ``layout``).
 
     ``dropout`` is accepted as another name for the neuron dropout: sd-scripts' trainer adds
     ``dropout=<--network_dropout>`` to the kwargs for LyCORIS. ``None`` values count as not given.
@@ -201,20 +205,20 @@ def parse_network_args(
     for key in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
         if key in given:
             setattr(args, key, _positive(key, given[key]))
-    args.block_lr_weight = _block_lr_weight_checked(given)
-    _parse_block_dims(args, given)
+    args.block_lr_weight = _block_lr_weight_checked(given, layout)
+    _parse_block_dims(args, given, layout)
     return args
 
 
-def _block_lr_weight_checked(given: Mapping[str, Any]) -> list[float] | None:
+def _block_lr_weight_checked(given: Mapping[str, Any], layout: BlockLayout) -> list[float] | None:
     """Block LR weights; ``block_lr_zero_threshold`` alone is an error (it only filters those weights)."""
-    weights = parse_block_lr_weight(given)
+    weights = parse_block_lr_weight(given, layout)
     if weights is None and "block_lr_zero_threshold" in given:
         raise UserError("network_args block_lr_zero_threshold needs down_lr_weight, mid_lr_weight or up_lr_weight")
     return weights
 
 
-def _parse_block_dims(args: LoRAArgs, given: Mapping[str, Any]) -> None:
+def _parse_block_dims(args: LoRAArgs, given: Mapping[str, Any], layout: BlockLayout) -> None:
     """Per-block dims/alphas as sd-scripts ``get_block_dims_and_alphas`` + ``remove_block_dims_and_alphas``."""
     block_keys = ("block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas")
     if "block_dims" not in given and args.block_lr_weight is None:
@@ -222,16 +226,18 @@ def _parse_block_dims(args: LoRAArgs, given: Mapping[str, Any]) -> None:
         if stray:
             raise UserError(f"network_args {', '.join(stray)} need block_dims (or a block LR weight) as well")
         return
-    n = NUM_TOTAL_BLOCKS
-    args.block_dims = _block_list("block_dims", given["block_dims"], True) if "block_dims" in given else [args.dim] * n
+    n = layout.total
+    args.block_dims = (_block_list("block_dims", given["block_dims"], True, layout) if "block_dims" in given
+                       else [args.dim] * n)
     args.block_alphas = (
-        _block_list("block_alphas", given["block_alphas"], False) if "block_alphas" in given else [args.alpha] * n
+        _block_list("block_alphas", given["block_alphas"], False, layout) if "block_alphas" in given
+        else [args.alpha] * n
     )
     if "conv_block_dims" in given:
-        args.conv_block_dims = _block_list("conv_block_dims", given["conv_block_dims"], True)
+        args.conv_block_dims = _block_list("conv_block_dims", given["conv_block_dims"], True, layout)
         conv_alpha = args.conv_alpha if args.conv_alpha is not None else 1.0
         args.conv_block_alphas = (
-            _block_list("conv_block_alphas", given["conv_block_alphas"], False)
+            _block_list("conv_block_alphas", given["conv_block_alphas"], False, layout)
             if "conv_block_alphas" in given
             else [conv_alpha] * n
         )

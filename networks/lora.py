@@ -1,4 +1,4 @@
-"""LoRA / LoCon network for SD1.x/2.x, file- and flag-compatible with sd-scripts' ``networks/lora.py``.
+"""LoRA / LoCon network for SD1.x/2.x and SDXL, file- and flag-compatible with sd-scripts' ``networks/lora.py``.
 
 The trainer imports the module named by ``--network_module`` and uses this protocol (as sd-scripts does):
 ``create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=None, **kwargs)``
@@ -12,6 +12,9 @@ Targets (§9.1): Linear / Conv2d inside ``Transformer2DModel`` (U-Net) and CLIP 
 convs get conv_dim/conv_alpha and Linear / 1x1 convs the linear dim/alpha. Keys: ``lora_unet_<path>`` and
 ``lora_te_text_model_<path>`` (``text_model`` kept for transformers 5, whose CLIPTextModel lost that submodule), each
 with ``.lora_down.weight``, ``.lora_up.weight`` and a 0-dim ``.alpha``; files load in diffusers, ComfyUI and A1111.
+SDXL (told by the U-Net, ``networks/families.py``): original-layout U-Net names, ``lora_te1_`` / ``lora_te2_`` for
+the two text encoders, 23 blocks for block dims / LR weights, and one learning rate per text encoder
+(``prepare_optimizer_params_with_multiple_te_lrs``; one value serves both, as upstream).
 
 Saving (§9.7) is atomic (a temporary sibling, then ``os.replace``); ``.safetensors`` gets the metadata plus
 ``sshs_model_hash`` / ``sshs_legacy_hash`` as sd-scripts' ``train_util.precalculate_safetensors_hashes``; other
@@ -33,12 +36,12 @@ from torch import nn
 from library.errors import UserError
 from library.files import write_bytes_atomic, write_file_atomic
 from networks.args import LoRAArgs, network_metadata, parse_network_args
+from networks.families import family_of, unet_module_names
 from networks.lora_modules import (
     TEXT_ENCODER_TARGETS,
     UNET_CONV_TARGETS,
     UNET_TARGETS,
     LoRAModule,
-    block_index,
     iter_targets,
     lora_product,
     text_model_prefix,
@@ -74,14 +77,20 @@ class LoRANetwork(nn.Module):
         self.block_lr_weight = self.args.block_lr_weight
         self._modules_dim = modules_dim
         self._modules_alpha = modules_alpha or {}
+        self.family = family_of(unet)
+        encoders = _text_encoders(text_encoder, len(self.family.text_encoder_prefixes))
+        prefixes = self.family.text_encoder_prefixes if len(encoders) > 1 else (LORA_PREFIX_TEXT_ENCODER,)
         self.text_encoder_loras: list[LoRAModule] = []
-        for te in _single_text_encoder(text_encoder):
-            targets = iter_targets(te, LORA_PREFIX_TEXT_ENCODER, TEXT_ENCODER_TARGETS, text_model_prefix(te))
-            self.text_encoder_loras = self._create(targets, is_unet=False)
+        for te, prefix in zip(encoders, prefixes, strict=False):
+            targets = iter_targets(te, prefix, TEXT_ENCODER_TARGETS, text_model_prefix(te))
+            self.text_encoder_loras += self._create(targets, is_unet=False)
         unet_classes = UNET_TARGETS
         if modules_dim is not None or self.args.conv_dim is not None or self.args.conv_block_dims is not None:
             unet_classes = UNET_TARGETS + UNET_CONV_TARGETS
-        self.unet_loras = self._create(iter_targets(unet, LORA_PREFIX_UNET, unet_classes), True) if unet else []
+        self.unet_loras = []
+        if unet is not None:
+            rename = unet_module_names(unet, self.family)
+            self.unet_loras = self._create(iter_targets(unet, LORA_PREFIX_UNET, unet_classes, rename=rename), True)
         for lora in self.text_encoder_loras + self.unet_loras:
             self.add_module(lora.lora_name, lora)
         logger.info("LoRA: %d text encoder modules, %d U-Net modules", len(self.text_encoder_loras),
@@ -93,7 +102,7 @@ class LoRANetwork(nn.Module):
         if self._modules_dim is not None:
             return self._modules_dim.get(name, 0), self._modules_alpha.get(name)
         if is_unet and a.block_dims is not None:
-            idx = block_index(name)
+            idx = self.family.block_index(name)
             if idx < 0:
                 return 0, None
             if not is_3x3:
@@ -177,25 +186,41 @@ class LoRANetwork(nn.Module):
 
         Text encoder group at ``text_encoder_lr`` (else ``default_lr``), U-Net group at ``unet_lr`` (else
         ``default_lr``), per block (``unet_block<i>``) when block LR weights are set. LoRA+ moves every ``lora_up``
-        into a "plus" group at lr x ratio. A group whose LR is 0 or None is dropped (it will not train).
+        into a "plus" group at lr x ratio. A group whose LR is 0 or None is dropped (it will not train). Only the
+        first of several text encoder LRs is used here, as upstream's ``networks.lora``.
         """
-        self.requires_grad_(True)
         if isinstance(text_encoder_lr, Sequence):
             text_encoder_lr = text_encoder_lr[0] if text_encoder_lr else None
-        te_lr = text_encoder_lr if text_encoder_lr is not None else default_lr
+        return self.prepare_optimizer_params_with_multiple_te_lrs(
+            [] if text_encoder_lr is None else [text_encoder_lr], unet_lr, default_lr)
+
+    def prepare_optimizer_params_with_multiple_te_lrs(
+        self, text_encoder_lr: Sequence[float], unet_lr: float | None, default_lr: float | None
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """``prepare_optimizer_params`` with one ``--text_encoder_lr`` value per text encoder (SDXL: groups
+        "textencoder 1" and "textencoder 2"); one value serves every encoder, none means ``default_lr``, as
+        sd-scripts' multi-encoder networks (``networks/lora_flux.py``). With one text encoder only the first value
+        counts (group "textencoder")."""
+        self.requires_grad_(True)
+        lrs = list(text_encoder_lr) or [default_lr]
         u_lr = unet_lr if unet_lr is not None else default_lr
         a = self.args
         groups: list[dict[str, Any]] = []
         names: list[str] = []
         te_ratio = a.loraplus_text_encoder_lr_ratio or a.loraplus_lr_ratio
         unet_ratio = a.loraplus_unet_lr_ratio or a.loraplus_lr_ratio
-        _add_groups(groups, names, "textencoder", self.text_encoder_loras, te_lr, te_ratio)
+        by_encoder: dict[str, list[LoRAModule]] = {}
+        for lora in self.text_encoder_loras:
+            by_encoder.setdefault(lora.lora_name.split("_text_model_")[0], []).append(lora)
+        for i, prefix in enumerate(sorted(by_encoder)):
+            label = "textencoder" if prefix == LORA_PREFIX_TEXT_ENCODER else f"textencoder {i + 1}"
+            _add_groups(groups, names, label, by_encoder[prefix], lrs[min(i, len(lrs) - 1)], te_ratio)
         if self.block_lr_weight is None:
             _add_groups(groups, names, "unet", self.unet_loras, u_lr, unet_ratio)
         else:
             by_block: dict[int, list[LoRAModule]] = {}
             for lora in self.unet_loras:
-                by_block.setdefault(block_index(lora.lora_name), []).append(lora)
+                by_block.setdefault(self.family.block_index(lora.lora_name), []).append(lora)
             for idx, loras in by_block.items():
                 weight = self.block_lr_weight[idx] if idx >= 0 else 1.0
                 lr = None if u_lr is None else u_lr * weight
@@ -267,21 +292,22 @@ def _add_groups(groups: list[dict[str, Any]], names: list[str], label: str, lora
         names.append(label + suffix)
 
 
-def _single_text_encoder(text_encoder: nn.Module | Sequence[nn.Module] | None) -> list[nn.Module]:
+def _text_encoders(text_encoder: nn.Module | Sequence[nn.Module] | None, most: int) -> list[nn.Module]:
     if text_encoder is None:
         return []
     if isinstance(text_encoder, nn.Module):
         return [text_encoder]
     encoders = list(text_encoder)
-    if len(encoders) > 1:
-        raise UserError("networks.lora here supports SD1.x/2.x (one text encoder); SDXL is not supported")
+    if len(encoders) > most:
+        raise UserError(f"networks.lora: {len(encoders)} text encoders given for a U-Net that takes {most} "
+                        "(SD1.x/2.x: one, SDXL: two)")
     return encoders
 
 
 def create_network(multiplier: float, network_dim: int | None, network_alpha: float | None, vae: Any,
                    text_encoder: Any, unet: Any, neuron_dropout: float | None = None, **kwargs: Any) -> LoRANetwork:
     """sd-scripts' entry point; ``kwargs`` are the network_args (strings), validated by ``networks.args``."""
-    args = parse_network_args(network_dim, network_alpha, neuron_dropout, kwargs)
+    args = parse_network_args(network_dim, network_alpha, neuron_dropout, kwargs, layout=family_of(unet).blocks)
     return LoRANetwork(text_encoder, unet, multiplier=multiplier, args=args)
 
 
@@ -306,7 +332,7 @@ def create_network_from_weights(multiplier: float, file: str | os.PathLike[str] 
             dims[lora_name] = int(value.shape[0])
     for name, dim in dims.items():
         alphas.setdefault(name, dim)
-    args = parse_network_args(None, None, None, kwargs)
+    args = parse_network_args(None, None, None, kwargs, layout=family_of(unet).blocks)
     network = LoRANetwork(text_encoder, unet, multiplier=multiplier, args=args, modules_dim=dims, modules_alpha=alphas)
     return network, dict(weights_sd)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -123,13 +123,15 @@ def block_index(lora_name: str) -> int:
 
 
 def iter_targets(
-    root: nn.Module, prefix: str, target_classes: tuple[str, ...], name_prefix: str = ""
+    root: nn.Module, prefix: str, target_classes: tuple[str, ...], name_prefix: str = "",
+    rename: Callable[[str], str] | None = None,
 ) -> Iterator[tuple[str, nn.Linear | nn.Conv2d]]:
     """Yield ``(lora_name, layer)`` for every Linear / Conv2d inside a module whose class name is targeted.
 
     ``lora_name`` = prefix + "." + module path + "." + child path with "." -> "_" (sd-scripts §9.2).
     ``name_prefix`` is inserted before the module path (``"text_model."`` for a transformers 5 CLIPTextModel,
-    which lost that submodule but whose LoRA names keep it).
+    which lost that submodule but whose LoRA names keep it); ``rename`` maps the layer's full path first (SDXL's
+    original-layout names, ``networks/families.py``).
     """
     seen: set[str] = set()
     for path, module in root.named_modules():
@@ -138,7 +140,8 @@ def iter_targets(
         for child_path, child in module.named_modules():
             if not isinstance(child, (nn.Linear, nn.Conv2d)) or not child_path:
                 continue
-            name = f"{prefix}.{name_prefix}{path}.{child_path}".replace(".", "_")
+            full = f"{path}.{child_path}"
+            name = f"{prefix}.{name_prefix}{rename(full) if rename else full}".replace(".", "_")
             if name not in seen:
                 seen.add(name)
                 yield name, child
