@@ -9,6 +9,13 @@ generated from a seed, never downloaded or committed.
 
 ``python -m library.tiny_model OUT_DIR`` writes a diffusers folder (``StableDiffusionPipeline.from_pretrained``
 loads it offline) and ``OUT_DIR/model.safetensors`` in the original single-file (LDM) layout.
+
+``builtin:tiny-sdxl`` is the same idea for SDXL: the real SDXL module layout (DownBlock2D + 2 CrossAttnDownBlock2D
+with 1/2/10 transformer layers, a 10-layer mid block, 3 layers per up block, size conditioning with 256-wide
+sinusoids, a 12-layer CLIP-L-shaped and a 32-layer bigG-shaped text encoder), so every LoRA name equals a real
+SDXL's (986 modules, 1052 with conv_dim); UNet channels (32, 64, 96), text hidden size 32 for both encoders.
+``python -m library.tiny_model --sdxl OUT_DIR`` writes it as a ``StableDiffusionXLPipeline`` folder plus
+``OUT_DIR/model.safetensors`` in the SGM single-file layout.
 """
 
 from __future__ import annotations
@@ -60,12 +67,39 @@ def write_tiny_model(out_dir: Path, seed: int = 0) -> SDModel:
     return model
 
 
+def save_sdxl_diffusers_folder(model, out_dir: Path) -> None:
+    """Write an ``SDXLModel`` as a diffusers StableDiffusionXLPipeline folder."""
+    from diffusers import DDPMScheduler, StableDiffusionXLPipeline
+
+    pipe = StableDiffusionXLPipeline(
+        vae=model.vae, text_encoder=model.text_encoder, text_encoder_2=model.text_encoder_2,
+        tokenizer=model.tokenizer, tokenizer_2=model.tokenizer_2, unet=model.unet,
+        scheduler=DDPMScheduler.from_config(model.noise_scheduler.config, steps_offset=1),
+    )
+    pipe.save_pretrained(str(out_dir), safe_serialization=True)
+
+
+def write_tiny_sdxl(out_dir: Path, seed: int = 0):
+    """Write ``builtin:tiny-sdxl`` to ``out_dir`` as a diffusers folder plus ``model.safetensors`` (SGM layout)."""
+    from library.sdxl_models import BUILTIN_SDXL_MODELS, BUILTIN_TINY_SDXL, build_builtin_sdxl
+    from library.sdxl_single_file import save_sdxl_checkpoint
+
+    force_offline()
+    model = build_builtin_sdxl(BUILTIN_TINY_SDXL, seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_sdxl_diffusers_folder(model, out_dir)
+    save_sdxl_checkpoint(model, out_dir / "model.safetensors", config_name=BUILTIN_SDXL_MODELS[BUILTIN_TINY_SDXL])
+    return model
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m library.tiny_model OUT_DIR", file=sys.stderr)
+    sdxl = argv[:1] == ["--sdxl"]
+    rest = argv[1:] if sdxl else argv
+    if len(rest) != 1 or rest[0].startswith("-"):
+        print("usage: python -m library.tiny_model [--sdxl] OUT_DIR", file=sys.stderr)
         return 2
-    out_dir = Path(argv[0])
-    write_tiny_model(out_dir)
+    out_dir = Path(rest[0])
+    (write_tiny_sdxl if sdxl else write_tiny_model)(out_dir)
     print(f"wrote {out_dir} (diffusers folder) and {out_dir / 'model.safetensors'} (single file)")
     return 0
 
