@@ -36,14 +36,15 @@ def _prints_errors() -> bool:
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, family: str = "sd") -> int:
+    """Run the trainer for ``family`` ("sd": this script; "sdxl": ``sdxl_train_network.py``)."""
     from library.cli import parse_args, write_config_file
     from library.console_log import setup_logging
     from library.errors import Stopped, TrainingDiverged, UserError
 
     setup_logging()
     try:
-        cfg, explicit = parse_args(sys.argv[1:] if argv is None else argv)
+        cfg, explicit = parse_args(sys.argv[1:] if argv is None else argv, family)
         # --console_log_file is the main process's; the others log their warnings to the console
         setup_logging(cfg.log if _prints_errors() else replace(cfg.log, console_log_file=None))
         if cfg.run.output_config:

@@ -7,6 +7,10 @@ lists for ``nargs`` flags (a single value is one item), ``0``/``1`` for booleans
 floats for integers. Unlike sd-scripts, an unknown TOML key or flag is an error with a suggestion instead of being
 ignored, and a value of the wrong type is an error naming the file, table and key; the keys that the kohya_ss GUI
 writes without sd-scripts using them are accepted with an info line (``library/config/gui.py``).
+
+One parser per entry script: ``train_network.py`` (SD 1.x/2.x, family "sd") and ``sdxl_train_network.py`` (family
+"sdxl"), which adds the SDXL-only flags (``library/config/sdxl.py``); the SD script refuses those keys in a TOML
+with a message naming the SDXL script, as for the other families' keys.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from library.config import SECRET_FIELDS, SECTION_CLASSES, TrainConfig, all_fields, field_default, from_namespace
+from library.config import SECRET_FIELDS, TrainConfig, all_fields, family_sections, field_default, from_namespace
 from library.config.gui import GUI_ONLY_KEYS, GUI_REFUSED_WHEN_SET, other_family
 from library.errors import UserError, did_you_mean
 
@@ -30,6 +34,9 @@ LEGACY_FLAGS = {"caption_extention": "caption_extension"}
 LEGACY_OPTIMIZER_FLAGS = {"use_8bit_adam": "AdamW8bit", "use_lion_optimizer": "Lion"}
 
 PROG = "train_network.py"
+# Entry script per model family, and what its --help says it trains.
+SCRIPTS = {"sd": (PROG, "Train a LoRA for Stable Diffusion 1.x/2.x (kohya sd-scripts flags)."),
+           "sdxl": ("sdxl_train_network.py", "Train a LoRA for Stable Diffusion XL (kohya sd-scripts flags).")}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,8 +49,8 @@ class _Parser(argparse.ArgumentParser):
             for arg in message.split(":", 1)[1].split():
                 if arg.startswith("--"):
                     hints.append(f"unknown flag {arg.split('=')[0]}{did_you_mean(arg[2:].split('=')[0], known)}")
-            raise UserError(*(hints or [message]), f"run `python {PROG} --help` for the list of flags")
-        raise UserError(f"{message} (run `python {PROG} --help` for usage)")
+            raise UserError(*(hints or [message]), f"run `python {self.prog} --help` for the list of flags")
+        raise UserError(f"{message} (run `python {self.prog} --help` for usage)")
 
 
 def _kind(f: dataclasses.Field) -> tuple[str, str | None]:
@@ -60,11 +67,12 @@ def _kind(f: dataclasses.Field) -> tuple[str, str | None]:
 _CONVERT = {"int": int, "float": float, "str": str}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser; every default is ``SUPPRESS`` so that explicit flags can be told apart."""
-    parser = _Parser(prog=PROG, description="Train a LoRA for Stable Diffusion 1.x/2.x (kohya sd-scripts flags).",
-                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
-    for section, cls in SECTION_CLASSES.items():
+def build_parser(family: str = "sd") -> argparse.ArgumentParser:
+    """The argument parser of ``family``'s script; every default is ``SUPPRESS`` so that explicit flags can be told
+    apart."""
+    prog, description = SCRIPTS[family]
+    parser = _Parser(prog=prog, description=description, argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    for section, cls in family_sections(family).items():
         group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
         for f in dataclasses.fields(cls):
             meta = f.metadata
@@ -148,7 +156,7 @@ def _read_toml(file: Path) -> dict[str, Any]:
         raise UserError(f"{file}: not UTF-8 text; save the file as UTF-8") from None
 
 
-def read_config_file(path: str) -> dict[str, Any]:
+def read_config_file(path: str, family: str = "sd") -> dict[str, Any]:
     """Read a training-arguments TOML as sd-scripts does (all tables flattened), but strictly.
 
     Unknown keys, keys given in two tables and values of the wrong type are errors that name the file, the table
@@ -157,7 +165,9 @@ def read_config_file(path: str) -> dict[str, Any]:
     """
     file = Path(path if path.endswith(".toml") else path + ".toml")
     data = _read_toml(file)
-    fields = all_fields()
+    fields = all_fields(family)
+    prog = SCRIPTS[family][0]
+    trains = "SDXL LoRAs" if family == "sdxl" else "SD 1.x/2.x LoRAs"
     known = [*fields, *LEGACY_FLAGS, *LEGACY_OPTIMIZER_FLAGS, *GUI_ONLY_KEYS, *GUI_REFUSED_WHEN_SET]
     values: dict[str, Any] = {}
     seen_in: dict[str, str] = {}
@@ -177,9 +187,9 @@ def read_config_file(path: str) -> dict[str, Any]:
                 if value:
                     problems.append(f"{loc} {key} = {value!r}: {GUI_REFUSED_WHEN_SET[name]}")
             elif name not in fields and name not in LEGACY_OPTIMIZER_FLAGS:
-                family = other_family(key)
-                if family is not None:
-                    problems.append(f'{loc} "{key}" is an option for {family}; {PROG} trains SD 1.x/2.x LoRAs')
+                owner = other_family(key)
+                if owner is not None:
+                    problems.append(f'{loc} "{key}" is an option for {owner}; {prog} trains {trains}')
                 else:
                     problems.append(f'{loc} unknown key "{key}"{did_you_mean(key, known)}')
             elif name in seen_in:
@@ -234,10 +244,11 @@ def write_config_file(path: str, explicit: dict[str, Any]) -> Path:
     return file
 
 
-def parse_args(argv: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
-    """Parse a kohya command line into a ``TrainConfig``; also return the explicitly given values."""
-    explicit = vars(build_parser().parse_args(argv))
-    from_file = read_config_file(explicit["config_file"]) if explicit.get("config_file") else {}
+def parse_args(argv: list[str], family: str = "sd") -> tuple[TrainConfig, dict[str, Any]]:
+    """Parse a kohya command line of ``family``'s script into a ``TrainConfig``; also return the explicitly given
+    values."""
+    explicit = vars(build_parser(family).parse_args(argv))
+    from_file = read_config_file(explicit["config_file"], family) if explicit.get("config_file") else {}
     values = {**_defaults(), **from_file, **explicit}
     _apply_legacy_optimizer(values)
-    return from_namespace(values), {**from_file, **explicit}
+    return from_namespace(values, family), {**from_file, **explicit}

@@ -36,8 +36,11 @@ def _s(value: Any) -> str:
     return str(value)
 
 
-def base_model_version(v2: bool, v_parameterization: bool) -> str:
-    """``ss_base_model_version``: sd_v1, sd_v2, or sd_v2_v (sd-scripts' get_sai_model_spec naming)."""
+def base_model_version(v2: bool, v_parameterization: bool, sdxl: bool = False) -> str:
+    """``ss_base_model_version``: sd_v1, sd_v2, or sd_v2_v (sd-scripts' get_sai_model_spec naming); SDXL is
+    ``sdxl_base_v1-0`` (``sdxl_model_util.MODEL_VERSION_SDXL_BASE_V1_0``, no "_v" suffix)."""
+    if sdxl:
+        return "sdxl_base_v1-0"
     return ("sd_v2" if v2 else "sd_v1") + ("_v" if v_parameterization else "")
 
 
@@ -70,17 +73,21 @@ def modelspec(cfg: TrainConfig, resolution: tuple[int, int], thumbnail: str | No
 
     ``modelspec.timestep_range`` is "min,max" when ``--min_timestep`` or ``--max_timestep`` is given (the other
     end 0 or 1000), ``modelspec.encoder_layer`` the ``--clip_skip``; every ``--metadata_*`` flag that is given
-    becomes ``modelspec.<name>``, with ``thumbnail`` the data URL (``thumbnail_data_url``).
+    becomes ``modelspec.<name>``, with ``thumbnail`` the data URL (``thumbnail_data_url``). An SDXL LoRA is
+    ``stable-diffusion-xl-v1-base/lora`` implemented by Stability AI's generative-models, as upstream writes it.
     """
     m, s, nz = cfg.model, cfg.save, cfg.noise
-    if not m.v2:
+    sdxl = cfg.family == "sdxl"
+    if sdxl:
+        arch = "stable-diffusion-xl-v1-base/lora"
+    elif not m.v2:
         arch = "stable-diffusion-v1/lora"
     else:
         arch = "stable-diffusion-v2-768-v/lora" if m.v_parameterization else "stable-diffusion-v2-512/lora"
     spec = {
         "modelspec.sai_model_spec": "1.0.1",
         "modelspec.architecture": arch,
-        "modelspec.implementation": "diffusers",
+        "modelspec.implementation": "https://github.com/Stability-AI/generative-models" if sdxl else "diffusers",
         "modelspec.resolution": f"{resolution[0]}x{resolution[1]}",
         "modelspec.prediction_type": "v" if m.v_parameterization else "epsilon",
         "modelspec.implementation_version": PROJECT_VERSION,
@@ -185,7 +192,7 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, *, seed: int, thumbnail:
         "ss_full_bf16": _s(p.full_bf16),
         "ss_stochastic_rounding": _s(stochastic_rounding),
         "ss_v2": _s(m.v2),
-        "ss_base_model_version": base_model_version(m.v2, m.v_parameterization),
+        "ss_base_model_version": base_model_version(m.v2, m.v_parameterization, cfg.family == "sdxl"),
         "ss_clip_skip": _s(m.clip_skip),
         "ss_max_token_length": _s(m.max_token_length),
         "ss_cache_latents": _s(d.cache_latents or d.cache_latents_to_disk),

@@ -1,6 +1,6 @@
-"""The model stage: load the SD model offline, freeze and cast it by the precision policy, set attention and
-gradient checkpointing, store the frozen weights in fp8 (``--fp8_base``), cache latents with the VAE, and compile
-the UNet.
+"""The model stage: load the model of the run's family offline, freeze and cast it by the precision policy, set
+attention and gradient checkpointing, store the frozen weights in fp8 (``--fp8_base``), cache latents with the VAE
+(and, for SDXL, the text encoders' outputs), and compile the UNet.
 """
 
 from __future__ import annotations
@@ -11,31 +11,40 @@ from collections.abc import Callable
 
 import torch
 
-from library.config import DataConfig, ModelConfig, PrecisionConfig
+from library.config import DataConfig, ModelConfig, PrecisionConfig, SDXLConfig
 from library.fp8 import fp8_bytes, store_fp8
+from library.model_family import SDFamily, SDXLFamily
 from library.model_parts import SDModel, load_cached_tokenizer
-from library.models import BUILTIN_MODELS, load_sd_model
+from library.models import BUILTIN_MODELS
 from library.precision import PrecisionPolicy
 from library.single_file import SUFFIXES
 
 log = logging.getLogger(__name__)
 
 
-def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPolicy,
-               device: torch.device) -> SDModel:
-    """Load, freeze and cast the SD model; set the tokenizer, attention backend and gradient checkpointing."""
-    model = load_sd_model(cfg.pretrained_model_name_or_path, v2=cfg.v2, v_parameterization=cfg.v_parameterization,
-                          vae=cfg.vae, file_device=str(device) if cfg.lowram else "cpu")
+def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPolicy, device: torch.device,
+               family: SDFamily | SDXLFamily = SDFamily(), sdxl: SDXLConfig | None = None) -> SDModel:
+    """Load, freeze and cast the model of ``family``; set the tokenizer, attention backend and gradient
+    checkpointing."""
+    if family.name == "sdxl" and cfg.clip_skip is not None:
+        log.warning("--clip_skip %s has no effect on SDXL: both text encoders give their penultimate layer "
+                    "(sd-scripts warns the same)", cfg.clip_skip)
+    model = family.load(cfg, sdxl or SDXLConfig(), file_device=str(device) if cfg.lowram else "cpu")
     if cfg.lowram:
         log.info(_lowram_note(cfg.pretrained_model_name_or_path, device))
-    if cfg.tokenizer_cache_dir:
+    if cfg.tokenizer_cache_dir and family.name == "sdxl":
+        log.info("--tokenizer_cache_dir: SDXL uses the bundled tokenizers (the same vocabulary as upstream's two); "
+                 "the folder is not read")
+    elif cfg.tokenizer_cache_dir:
         model.tokenizer, how = load_cached_tokenizer(cfg.tokenizer_cache_dir, cfg.v2)
         log.info("--tokenizer_cache_dir: %s", how)
-    for part in (model.unet, model.text_encoder, model.vae):
+    text_encoders = family.text_encoders(model)
+    for part in (model.unet, *text_encoders, model.vae):
         part.requires_grad_(False)
         part.eval()
     model.unet.to(device, policy.frozen_dtype)
-    model.text_encoder.to(device, policy.frozen_dtype)
+    for text_encoder in text_encoders:
+        text_encoder.to(device, policy.frozen_dtype)
     model.vae.to(device, policy.vae_dtype)
     if precision.xformers:
         model.unet.enable_xformers_memory_efficient_attention()
@@ -52,8 +61,9 @@ def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPo
         model.unet.enable_gradient_checkpointing(offloaded_checkpoint if precision.cpu_offload_checkpointing
                                                  else None)
         model.unet.train()
-        model.text_encoder.gradient_checkpointing_enable()
-        model.text_encoder.train()
+        for text_encoder in text_encoders:
+            text_encoder.gradient_checkpointing_enable()
+            text_encoder.train()
         if precision.cpu_offload_checkpointing and device.type == "cpu":
             log.info("--cpu_offload_checkpointing: training on the CPU, so the checkpointed tensors already are in "
                      "CPU memory")
@@ -91,11 +101,13 @@ def offloaded_checkpoint(module: torch.nn.Module, *args):
         return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
 
 
-def store_frozen_fp8(model: SDModel, policy: PrecisionPolicy) -> None:
+def store_frozen_fp8(model: SDModel, policy: PrecisionPolicy, family: SDFamily | SDXLFamily = SDFamily()) -> None:
     """``--fp8_base`` / ``--fp8_base_unet`` (after ``--base_weights`` are merged, before the LoRA is attached)."""
     parts = [("UNet", model.unet)] if policy.unet_fp8 else []
     if policy.text_encoder_fp8:
-        parts.append(("text encoder", model.text_encoder))
+        encoders = family.text_encoders(model)
+        parts += [(f"text encoder {i + 1}" if len(encoders) > 1 else "text encoder", te)
+                  for i, te in enumerate(encoders)]
     for name, part in parts:
         layers = store_fp8(part, policy.frozen_dtype)
         stored, total = fp8_bytes(part)
@@ -133,6 +145,37 @@ def cache_latents(data, model: SDModel, policy: PrecisionPolicy, device: torch.d
     data.cache_latents(encode, to_disk=cfg.cache_latents_to_disk, vae_id=vae_id, batch_size=cfg.vae_batch_size,
                        share=share, wait=wait)
     vae.to("cpu")
+
+
+def module_id(*modules: torch.nn.Module) -> str:
+    """Identify frozen models by their weights (the first tensors are enough to tell checkpoints apart) and dtype,
+    so that a cache written with other text encoders (another checkpoint, fp16 vs fp32) is rebuilt."""
+    digest = hashlib.sha1()
+    for module in modules:
+        digest.update(str(next(module.parameters()).dtype).encode())
+        for param in list(module.parameters())[:4]:
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_text_encoder_outputs(data, model, family: SDXLFamily, policy: PrecisionPolicy, device: torch.device,
+                               sdxl: SDXLConfig, max_token_length: int | None, batch_size: int) -> None:
+    """``--cache_text_encoder_outputs``: encode every caption once with the frozen text encoders (in RAM, or in
+    ``<image>_te_outputs.npz`` with ``--cache_text_encoder_outputs_to_disk``), then move the encoders to the CPU,
+    as sd-scripts does; the network must train the UNet only (checked before loading)."""
+    text_encoders = family.text_encoders(model)
+
+    @torch.no_grad()
+    def encode(captions: list[str]) -> dict[str, torch.Tensor]:
+        with policy.autocast(device):
+            cond = family.encode(model, captions, device, clip_skip=None, max_token_length=max_token_length)
+        return family.to_cache(cond)
+
+    data.cache_text_encoder_outputs(encode, to_disk=sdxl.cache_text_encoder_outputs_to_disk,
+                                    encoder_id=module_id(*text_encoders), max_token_length=max_token_length,
+                                    names=family.cache_names, batch_size=batch_size)
+    for text_encoder in text_encoders:
+        text_encoder.to("cpu")
 
 
 def compile_unet(model: SDModel, precision: PrecisionConfig) -> None:

@@ -14,6 +14,7 @@ import torch
 from library.config import ModelConfig, NetworkConfig, OptimizerConfig
 from library.errors import UserError
 from library.finite import refuse_non_finite
+from library.model_family import SDFamily, SDXLFamily
 from library.model_parts import SDModel
 from library.precision import PrecisionPolicy
 from networks import NETWORK_MODULE_ALIASES
@@ -32,7 +33,8 @@ def import_network_module(name: str):
                         "or install the package that provides it (lycoris.kohya: pip install lycoris-lora)") from exc
 
 
-def merge_base_weights(cfg: ModelConfig, network_module: str, model: SDModel, policy: PrecisionPolicy) -> None:
+def merge_base_weights(cfg: ModelConfig, network_module: str, model: SDModel, policy: PrecisionPolicy,
+                       family: SDFamily | SDXLFamily = SDFamily()) -> None:
     """``--base_weights``: merge each file into the frozen UNet / text encoder, as sd-scripts' ``train_network.py``:
     ``--network_module``'s ``create_network_from_weights(multiplier, file, ..., for_inference=True)`` then its
     ``merge_to(text_encoder, unet, weights, dtype, device)``; the i-th file takes the i-th
@@ -48,11 +50,12 @@ def merge_base_weights(cfg: ModelConfig, network_module: str, model: SDModel, po
         multiplier = cfg.base_weights_multiplier[i] if i < len(cfg.base_weights_multiplier) else 1.0
         log.info("merging %s into the model with multiplier %s", file, multiplier)
         weights = _read_base_weights(file)
-        network, weights = module.create_network_from_weights(multiplier, file, model.vae, model.text_encoder,
+        text_encoder = family.network_text_encoder(model)
+        network, weights = module.create_network_from_weights(multiplier, file, model.vae, text_encoder,
                                                               model.unet, weights_sd=weights, for_inference=True)
         _check_fits(file, network, weights, network_module)
         try:
-            network.merge_to(model.text_encoder, model.unet, weights, policy.frozen_dtype, None)
+            network.merge_to(text_encoder, model.unet, weights, policy.frozen_dtype, None)
         except (RuntimeError, ValueError) as exc:
             raise UserError(f"--base_weights {file}: does not fit this model ({exc}); give a LoRA trained on "
                             "this model type (SD 1.x or 2.x, matching --v2)") from exc
@@ -98,42 +101,45 @@ def check_network_weights(cfg: NetworkConfig) -> None:
                           "give the last good file of that run, or train without --network_weights")
 
 
-def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, device: torch.device):
-    """Create the network with ``--network_module``'s ``create_network`` and attach it to the models."""
+def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, device: torch.device,
+                  family: SDFamily | SDXLFamily = SDFamily()):
+    """Create the network with ``--network_module``'s ``create_network`` and attach it to the models (SDXL: both
+    text encoders, as a list, as sd-scripts passes them)."""
     module = import_network_module(cfg.network_module)
     kwargs = parse_network_args(cfg.network_args)
     train_unet = not cfg.network_train_text_encoder_only
     train_te = not cfg.network_train_unet_only
+    text_encoder = family.network_text_encoder(model)
     if cfg.network_weights and cfg.dim_from_weights:
-        network, _ = module.create_network_from_weights(1.0, cfg.network_weights, model.vae, model.text_encoder,
+        network, _ = module.create_network_from_weights(1.0, cfg.network_weights, model.vae, text_encoder,
                                                         model.unet, **kwargs)
     else:
         if cfg.network_module == "networks.lora":  # LyCORIS reads the dim otherwise (LoKr: 10000 = full matrix)
-            check_rank(cfg.network_dim, model)
+            check_rank(cfg.network_dim, model, family)
         # sd-scripts' --network_alpha defaults to 1 and is always passed (lycoris.kohya needs a number)
         alpha = cfg.network_alpha if cfg.network_alpha is not None else 1.0
-        network = module.create_network(1.0, cfg.network_dim, alpha, model.vae, model.text_encoder, model.unet,
+        network = module.create_network(1.0, cfg.network_dim, alpha, model.vae, text_encoder, model.unet,
                                         neuron_dropout=cfg.network_dropout, **kwargs)
-    network.apply_to(model.text_encoder, model.unet, train_te, train_unet)
+    network.apply_to(text_encoder, model.unet, train_te, train_unet)
     if cfg.network_weights:
         check_weights_fit(cfg, weights_shapes(cfg.network_weights), network, train_te, train_unet)
     if cfg.network_weights and not cfg.dim_from_weights:
         info = network.load_weights(cfg.network_weights)
         log.info("loaded network weights from %s: %s", cfg.network_weights, info)
     network.to(device, policy.network_dtype)
-    network.prepare_grad_etc(model.text_encoder, model.unet)
+    network.prepare_grad_etc(text_encoder, model.unet)
     network.train()
     return network, train_te
 
 
-def check_rank(network_dim: int | None, model: SDModel) -> None:
+def check_rank(network_dim: int | None, model: SDModel, family: SDFamily | SDXLFamily = SDFamily()) -> None:
     """``networks.lora``: a rank above every layer's min(in, out) adds parameters (and memory, without bound) but no
     expressiveness; sd-scripts allocates it anyway and runs out of memory for a mistyped rank."""
     if network_dim is None:
         return
     widths = [min(m.in_features, m.out_features) if isinstance(m, torch.nn.Linear)
               else min(m.in_channels, m.out_channels)
-              for part in (model.unet, model.text_encoder) for m in part.modules()
+              for part in (model.unet, *family.text_encoders(model)) for m in part.modules()
               if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
     if widths and network_dim > max(widths):
         raise UserError(f"--network_dim {network_dim} is above the width of every layer of this model (at most "

@@ -30,6 +30,7 @@ from library.data.debug import show_batches
 from library.errors import TrainingDiverged
 from library.fs_checks import check_folder, ensure_room_for_save
 from library.metadata import optimizer_description, thumbnail_data_url, training_metadata
+from library.model_family import model_family
 from library.noise import apply_zero_terminal_snr
 from library.output import open_output
 from library.precision import optimizer_state_dtype, precision_policy
@@ -131,12 +132,13 @@ def run(cfg: TrainConfig) -> RunResult | None:
             random.seed(seed)
             device = processes.device
             policy = precision_policy(cfg.precision)
-            model = model_setup.load_model(cfg.model, cfg.precision, policy, device)
-            network_setup.merge_base_weights(cfg.model, cfg.network.network_module, model, policy)
-            model_setup.store_frozen_fp8(model, policy)
+            family = model_family(cfg.family)
+            model = model_setup.load_model(cfg.model, cfg.precision, policy, device, family, cfg.sdxl)
+            network_setup.merge_base_weights(cfg.model, cfg.network.network_module, model, policy, family)
+            model_setup.store_frozen_fp8(model, policy, family)
             if cfg.noise.zero_terminal_snr:
                 apply_zero_terminal_snr(model.noise_scheduler)
-            network, train_te = network_setup.build_network(cfg.network, model, policy, device)
+            network, train_te = network_setup.build_network(cfg.network, model, policy, device, family)
             processes.broadcast_from_main(list(network.state_dict().values()))  # one initialisation for all
             if processes.is_main:
                 ensure_room_for_save(cfg.save.output_dir, network, save_dtype(cfg.save), cfg.save.save_state,
@@ -144,6 +146,9 @@ def run(cfg: TrainConfig) -> RunResult | None:
             if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
                 model_setup.cache_latents(data, model, policy, device, cfg.data, cfg.model.highvram,
                                           share=processes.owns_item, wait=processes.sync)
+            if cfg.sdxl.cache_text_encoder_outputs or cfg.sdxl.cache_text_encoder_outputs_to_disk:
+                model_setup.cache_text_encoder_outputs(data, model, family, policy, device, cfg.sdxl,
+                                                       cfg.model.max_token_length, cfg.data.train_batch_size)
             groups, descriptions = network_setup.param_groups(network, cfg.optimizer)
             optimizer = optimizer_setup.build_optimizer(choice, groups, cfg.optimizer.learning_rate)
             scheduler = optimizer_setup.build_scheduler(optimizer, lr_schedule)
@@ -190,7 +195,8 @@ def run(cfg: TrainConfig) -> RunResult | None:
                               scheduler_ticks=plan.num_processes, readout=readout, updates=start.step)
             batch_loss = BatchLoss(model, network, cfg.noise, cfg.loss, policy, device, noise_generator,
                                    cfg.model.clip_skip, cfg.model.max_token_length, train_te,
-                                   cfg.model.weighted_captions, readout=readout, host_generator=host_generator)
+                                   cfg.model.weighted_captions, family, readout=readout,
+                                   host_generator=host_generator)
             model_setup.compile_unet(model, cfg.precision)
             samples = make_sample_hooks(sample_plan if processes.is_main else None, model, network, policy, device,
                                         Path(cfg.save.output_dir), cfg.save.output_name, tracker, cfg.model.clip_skip)
@@ -203,7 +209,8 @@ def run(cfg: TrainConfig) -> RunResult | None:
                 result = train_loop(
                     data=data, batch_loss=batch_loss, updater=updater, plan=plan, saves=saves, samples=samples,
                     tracker=tracker, lr_values=optimizer_setup.lr_reporter(optimizer, descriptions, choice),
-                    on_epoch_start=lambda epoch: network.on_epoch_start(model.text_encoder, model.unet),
+                    on_epoch_start=lambda epoch: network.on_epoch_start(family.network_text_encoder(model),
+                                                                        model.unet),
                     start=start, validation=validation, show_progress=processes.is_main)
             except TrainingDiverged as exc:
                 raise TrainingDiverged(f"{exc}; {_last_good(saver, saver.lora_path(names.last), exc.weights_intact)}",

@@ -1,5 +1,9 @@
 """The loss of one batch: latents, text conditioning, noise, UNet prediction, weighted loss.
 
+What differs between SD 1.x/2.x and SDXL (text encoders, the UNet's extra inputs) is the model family's
+(``library/model_family.py``); a batch with ``text_outputs`` (SDXL's ``--cache_text_encoder_outputs``) skips the
+text encoders.
+
 Follows sd-scripts' ``NetworkTrainer.process_batch`` for SD1.x/2.x: latents are the VAE sample
 × scaling factor (0.18215), NaN latents become 0 with a warning, the text encoder runs with gradients
 only when its LoRA is trained, the UNet runs under the precision policy's autocast, and the loss is
@@ -24,11 +28,12 @@ import torch
 from library.config import LossConfig, NoiseConfig
 from library.errors import UserError
 from library.loss import training_loss
+from library.model_family import SDFamily, SDXLFamily
 from library.model_parts import SDModel
 from library.noise import loss_weight_snr, noisy_latents, sample_noise, sample_timesteps, training_target
 from library.precision import PrecisionPolicy
 from library.readout import Readout, to_device
-from library.text_encoding import apply_token_weights, encode_text, tokenize, tokenize_with_weights
+from library.text_encoding import apply_token_weights, encode_text, tokenize_with_weights
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,7 @@ class BatchLoss:
     max_token_length: int | None
     train_text_encoder: bool
     weighted_captions: bool = False
+    family: SDFamily | SDXLFamily = SDFamily()
     readout: Readout = field(default_factory=Readout)
     host_generator: torch.Generator | None = None
     schedule: DeviceSchedule | None = None  # made once from the model's scheduler (kept by dataclasses.replace)
@@ -86,17 +92,20 @@ class BatchLoss:
         latents = torch.nan_to_num(latents, nan=0.0, posinf=0.0, neginf=0.0)
         return latents * vae.config.scaling_factor
 
-    def conditioning(self, captions: list[str]) -> torch.Tensor:
-        """Encoder states of the captions; with ``--weighted_captions`` scaled by each token's caption weight."""
+    def conditioning(self, captions: list[str]):
+        """The text conditioning of the captions (the model family's); with ``--weighted_captions`` (SD 1.x/2.x)
+        scaled by each token's caption weight."""
         if self.weighted_captions:
             ids, weights = tokenize_with_weights(self.model.tokenizer, captions, self.max_token_length)
             weights = to_device(weights, self.device)
-        else:
-            ids, weights = tokenize(self.model.tokenizer, captions, self.max_token_length), None
-        return self.encode_ids(ids, weights)
+            return self.encode_ids(ids, weights)
+        with torch.set_grad_enabled(self.train_text_encoder), self.policy.autocast(self.device):
+            return self.family.encode(self.model, captions, self.device, clip_skip=self.clip_skip,
+                                      max_token_length=self.max_token_length)
 
     def encode_ids(self, ids: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Text-encoder states of token ids [B, 77·n] (``tokenize``'s form), scaled per token by ``weights``."""
+        """SD 1.x/2.x text-encoder states of token ids [B, 77·n] (``tokenize``'s form), scaled per token by
+        ``weights``."""
         with torch.set_grad_enabled(self.train_text_encoder), self.policy.autocast(self.device):
             states = encode_text(self.model.text_encoder, to_device(ids, self.device), clip_skip=self.clip_skip,
                                  max_token_length=self.max_token_length, v2=self.model.v2)
@@ -104,9 +113,12 @@ class BatchLoss:
                 return states
             return apply_token_weights(states, weights, self.max_token_length)
 
-    def text_states(self, batch: dict) -> torch.Tensor:
-        """The batch's conditioning. Token ids come only from a ``--dataset_class`` that yields them; as in
-        sd-scripts they win over captions, except with ``--weighted_captions``, which needs the captions' text."""
+    def text_states(self, batch: dict):
+        """The batch's conditioning: cached text encoder outputs (SDXL) when the batch has them. Token ids come
+        only from a ``--dataset_class`` that yields them; as in sd-scripts they win over captions, except with
+        ``--weighted_captions``, which needs the captions' text."""
+        if "text_outputs" in batch:
+            return self.family.from_cache(batch["text_outputs"], self.device)
         if "input_ids" in batch and not self.weighted_captions:
             return self.encode_ids(batch["input_ids"])
         if "captions" not in batch:
@@ -124,8 +136,8 @@ class BatchLoss:
         timesteps = sample_timesteps(latents.shape[0], self.noise, self.generator, self.device)
         noisy = noisy_latents(schedule, latents, noise, timesteps, self.noise, self.generator)
         with self.policy.autocast(self.device):
-            pred = self.model.unet(noisy.to(self.policy.frozen_dtype), timesteps,
-                                   hidden.to(self.policy.frozen_dtype)).sample
+            pred = self.family.predict(self.model, noisy.to(self.policy.frozen_dtype), timesteps, hidden, batch,
+                                       self.policy.frozen_dtype)
         target = training_target(schedule, latents, noise, timesteps, self.model.v_parameterization)
         weights = to_device(batch["loss_weights"], self.device)
         mask = to_device(batch["loss_masks"], self.device) if "loss_masks" in batch else None

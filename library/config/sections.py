@@ -19,6 +19,7 @@ from library.config.run import RunConfig
 from library.config.sample import SampleConfig
 from library.config.save import SaveConfig
 from library.config.schedule import ScheduleConfig
+from library.config.sdxl import SDXLConfig
 from library.config.unavailable import UnavailableConfig
 from library.config.validation import ValidationConfig
 
@@ -42,6 +43,8 @@ class TrainConfig:
     validation: ValidationConfig
     distributed: DistributedConfig
     unavailable: UnavailableConfig
+    sdxl: SDXLConfig = dataclasses.field(default_factory=SDXLConfig)
+    family: str = "sd"  # the model family the entry script trains: "sd" (train_network.py) or "sdxl"
 
 
 # Section name -> class, in the order of ``TrainConfig`` (and of the groups in ``--help``).
@@ -50,13 +53,21 @@ SECTION_CLASSES: dict[str, type] = {
     "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "precision": PrecisionConfig,
     "noise": NoiseConfig, "loss": LossConfig, "save": SaveConfig, "log": LogConfig, "sample": SampleConfig,
     "validation": ValidationConfig, "distributed": DistributedConfig, "unavailable": UnavailableConfig,
+    "sdxl": SDXLConfig,
 }
+# Sections whose flags only one model family's script has.
+FAMILY_SECTIONS: dict[str, str] = {"sdxl": "sdxl"}
 
 
-def all_fields() -> dict[str, tuple[str, dataclasses.Field]]:
-    """Map every flag name to (section name, dataclass field)."""
+def family_sections(family: str) -> dict[str, type]:
+    """The sections whose flags the script of ``family`` ("sd" or "sdxl") parses."""
+    return {name: cls for name, cls in SECTION_CLASSES.items() if FAMILY_SECTIONS.get(name, family) == family}
+
+
+def all_fields(family: str | None = None) -> dict[str, tuple[str, dataclasses.Field]]:
+    """Map every flag name to (section name, dataclass field); with ``family``, only the flags its script has."""
     out: dict[str, tuple[str, dataclasses.Field]] = {}
-    for section, cls in SECTION_CLASSES.items():
+    for section, cls in (SECTION_CLASSES if family is None else family_sections(family)).items():
         for f in dataclasses.fields(cls):
             out[f.name] = (section, f)
     return out
@@ -76,16 +87,18 @@ def public_snapshot(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
     """``asdict(cfg)`` by section, with every secret (``SECRET_FIELDS``) replaced by None: safe to write or log."""
     snapshot = dataclasses.asdict(cfg)
     for section in snapshot.values():
+        if not isinstance(section, dict):
+            continue
         for name in SECRET_FIELDS:
             if name in section:
                 section[name] = None
     return snapshot
 
 
-def from_namespace(values: dict[str, Any]) -> TrainConfig:
-    """Build the typed config from parsed flag values (a dict keyed by flag name)."""
+def from_namespace(values: dict[str, Any], family: str = "sd") -> TrainConfig:
+    """Build the typed config from parsed flag values (a dict keyed by flag name) for the script of ``family``."""
     sections = {
         name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
         for name, cls in SECTION_CLASSES.items()
     }
-    return TrainConfig(**sections)
+    return TrainConfig(**sections, family=family)

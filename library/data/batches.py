@@ -12,6 +12,9 @@ channel with ``alpha_mask``, or its mask image from ``conditioning_data_dir``), 
 [B, H, W] float32 in [0, 1] at the bucket size; images without a mask get ones. A mask is cut by the same
 placement as its image (bucket resize and crop, random crop, face crop) and flipped with it; with cached latents an
 alpha mask comes from the cache and a mask image is placed as the cached image was (centred in the bucket).
+Every batch also carries SDXL's ``size_conditions`` [B, 6] (``library/size_conditioning.py``; SD 1.x/2.x ignore
+them) and, with cached text encoder outputs, ``text_outputs`` (a dict of [B, ...] float32 tensors).
+
 Difference, on purpose: sd-scripts stretches a conditioning image straight to the bucket size, so with an aspect
 ratio other than the bucket's (or a face crop) its mask is offset from the image; here it is not.
 """
@@ -26,7 +29,7 @@ from typing import TypeVar
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from library.data import latent_cache
+from library.data import latent_cache, text_cache
 from library.data.captions import CaptionState, process_caption
 from library.data.images import BrokenImage, check_scanned_size, load_image, load_image_with_alpha, load_mask_image
 from library.data.prepare import ImageItem, PreparedDataset
@@ -41,6 +44,7 @@ from library.data.transforms import (
     to_tensor,
 )
 from library.errors import UserError
+from library.size_conditioning import image_size_condition
 
 T = TypeVar("T")
 
@@ -77,6 +81,21 @@ class LatentStore:
         return bool(self.ram or self.disk)
 
 
+@dataclass
+class TextOutputStore:
+    """Cached text encoder outputs per (dataset, item): tensors in RAM, or the npz file to read ``names`` from."""
+
+    ram: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    disk: dict[tuple[int, int], str] = field(default_factory=dict)
+    names: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.ram or self.disk)
+
+    def get(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        return self.ram[key] if key in self.ram else text_cache.read(self.disk[key], self.names)
+
+
 def epoch_order(datasets: list[PreparedDataset], seed: int,
                 epoch: int) -> tuple[list[BatchRef], list[list[list[int]]]]:
     """The batches of one epoch in order, and each bucket's members in their shuffled order.
@@ -101,11 +120,12 @@ class BatchSource(Dataset):
     """A map-style dataset whose items are whole batches, addressed by ``BatchKey``."""
 
     def __init__(self, datasets: list[PreparedDataset], seed: int, prior_loss_weight: float,
-                 latents: LatentStore) -> None:
+                 latents: LatentStore, text_outputs: TextOutputStore | None = None) -> None:
         self.datasets = datasets
         self.seed = seed
         self.prior_loss_weight = prior_loss_weight
         self.latents = latents
+        self.text_outputs = text_outputs if text_outputs is not None else TextOutputStore()
         self._plan: tuple[int, tuple[list[BatchRef], list[list[list[int]]]]] | None = None
 
     def __len__(self) -> int:
@@ -122,7 +142,7 @@ class BatchSource(Dataset):
         ds = self.datasets[ref.dataset]
         indices = members[ref.dataset][ref.bucket][ref.start:ref.start + ds.spec.batch_size]
         state = CaptionState(key.epoch, key.step, key.max_train_steps)
-        pixels, latents, captions, masks, flips = [], [], [], [], []
+        pixels, latents, captions, masks, flips, sizes = [], [], [], [], [], []
         for slot, index in enumerate(indices):
             rng = random.Random(f"{self.seed}:{key.epoch}:{key.position}:{slot}")
             item = ds.items[index]
@@ -138,6 +158,8 @@ class BatchSource(Dataset):
                 image, mask = self._render(ds, item, flipped, rng)
                 pixels.append(image)
             masks.append(mask)
+            sizes.append(image_size_condition(item.size, item.choice.bucket, flipped=flipped,
+                                              bucketed=ds.spec.enable_bucket or bool(self.latents)))
             captions.append(process_caption(item.caption, sub, rng, state))
         batch = {
             "captions": captions,
@@ -145,7 +167,11 @@ class BatchSource(Dataset):
             "network_multipliers": torch.full((len(indices),), float(ds.spec.network_multiplier)),
             "image_paths": [ds.items[i].path for i in indices],
             "flipped": flips,
+            "size_conditions": torch.tensor(sizes, dtype=torch.long),
         }
+        if self.text_outputs:
+            outputs = [self.text_outputs.get((ref.dataset, i)) for i in indices]
+            batch["text_outputs"] = {name: torch.stack([o[name] for o in outputs]) for name in outputs[0]}
         if latents:
             batch["latents"] = torch.stack(latents)
         else:

@@ -1,9 +1,11 @@
-"""``TrainData``: the datasets of a run, their epoch arithmetic, DataLoader, report, metadata and latent cache."""
+"""``TrainData``: the datasets of a run, their epoch arithmetic, DataLoader, report, metadata, latent cache and
+(SDXL) text encoder output cache."""
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -12,9 +14,10 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from library.config import DataConfig
-from library.data import latent_cache
-from library.data.batches import BatchKey, BatchSource, EpochSampler, LatentStore
+from library.data import latent_cache, text_cache
+from library.data.batches import BatchKey, BatchSource, EpochSampler, LatentStore, TextOutputStore
 from library.data.buckets import crop_ltrb
+from library.data.captions import CaptionState, process_caption
 from library.data.images import check_scanned_size, load_image, load_image_with_alpha
 from library.data.metadata import dataset_metadata
 from library.data.prepare import PreparedDataset, prepare_datasets
@@ -52,7 +55,8 @@ class TrainData:
         self.validation = validation
         self.progress = _Progress()
         self.latents = LatentStore({}, {})
-        self.source = BatchSource(datasets, seed, group.prior_loss_weight, self.latents)
+        self.text_outputs = TextOutputStore()
+        self.source = BatchSource(datasets, seed, group.prior_loss_weight, self.latents, self.text_outputs)
         self._share: Callable[[Sampler], Sampler] = lambda sampler: sampler
 
     @property
@@ -268,6 +272,53 @@ class TrainData:
                 self.latents.ram[(d, i)] = (latents[n].clone(), mirrored)
                 if masks[n] is not None:
                     self.latents.masks[(d, i)] = masks[n]
+
+    def cache_text_encoder_outputs(self, encode: Callable[[list[str]], dict[str, torch.Tensor]], *, to_disk: bool,
+                                   encoder_id: str, max_token_length: int | None, names: tuple[str, ...],
+                                   batch_size: int) -> None:
+        """Encode every image's caption once (SDXL ``--cache_text_encoder_outputs``); keep the outputs in RAM or in
+        ``<image>_te_outputs.npz`` (see ``text_cache``; still-valid files are reused without encoding).
+
+        ``encode`` maps captions to a dict of [B, ...] tensors named ``names``. Captions must be the same every
+        step: a subset with shuffle_caption, caption or tag dropout, token warm-up or wildcards is refused, as
+        sd-scripts refuses the first four (``is_text_encoder_output_cacheable``).
+        """
+        changing = sorted({info.spec.location for ds in self.datasets for info in ds.subsets
+                           if _caption_changes(info.spec)})
+        if changing:
+            raise UserError(*(f"{loc}: shuffle_caption, caption_dropout_rate, caption_dropout_every_n_epochs, "
+                              "caption_tag_dropout_rate, token_warmup_step and enable_wildcard change the caption "
+                              "every step, so text encoder outputs cannot be cached; turn them off or drop "
+                              "--cache_text_encoder_outputs" for loc in changing))
+        self.text_outputs.names = names
+        pending: list[tuple[int, int, str, str]] = []
+        for d, ds in enumerate(self.datasets):
+            for i, item in enumerate(ds.items):
+                sub = ds.subsets[item.subset_index].spec
+                caption = process_caption(item.caption, sub, random.Random(0), CaptionState())
+                key = text_cache.cache_key(caption, max_token_length, encoder_id)
+                if to_disk and text_cache.is_valid(text_cache.npz_path(item.path), key, names):
+                    self.text_outputs.disk[(d, i)] = str(text_cache.npz_path(item.path))
+                    continue
+                pending.append((d, i, caption, key))
+        logger.info("caching text encoder outputs: %d to encode, %d reused from disk", len(pending),
+                    len(self.text_outputs.disk))
+        for start in range(0, len(pending), batch_size):
+            jobs = pending[start:start + batch_size]
+            outputs = encode([caption for _, _, caption, _ in jobs])
+            for n, (d, i, _, key) in enumerate(jobs):
+                one = {name: outputs[name][n].clone() for name in names}
+                if to_disk:
+                    path = text_cache.npz_path(self.datasets[d].items[i].path)
+                    text_cache.write(path, one, key)
+                    self.text_outputs.disk[(d, i)] = str(path)
+                else:
+                    self.text_outputs.ram[(d, i)] = one
+
+
+def _caption_changes(sub: SubsetSpec) -> bool:
+    return bool(sub.shuffle_caption or sub.caption_dropout_rate > 0 or sub.caption_dropout_every_n_epochs > 0
+                or sub.caption_tag_dropout_rate > 0 or sub.token_warmup_step > 0 or sub.enable_wildcard)
 
 
 def _mask_note(sub: SubsetSpec) -> str:

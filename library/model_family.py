@@ -1,0 +1,108 @@
+"""Model families: what differs between SD 1.x/2.x and SDXL, bundled so the loop never asks which one it runs.
+
+A family loads its model (``library/models.py`` / ``library/sdxl_models.py``), names the text encoders the
+network attaches to, turns captions into the UNet's text conditioning (``library/text_encoding.py`` /
+``library/text_encoding_sdxl.py``), and calls the UNet with it and, for SDXL, the size conditioning of the batch
+(``library/size_conditioning.py``; sd-scripts' ``SdxlNetworkTrainer.call_unet``). LoRA names per family are the
+network's business (``networks/families.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from library.config import ModelConfig, SDXLConfig
+from library.readout import to_device
+
+
+@dataclass(frozen=True)
+class SDFamily:
+    """Stable Diffusion 1.x / 2.x (``train_network.py``): one CLIP text encoder, no size conditioning."""
+
+    name: str = "sd"
+    caches_text_outputs: bool = False
+
+    def load(self, cfg: ModelConfig, sdxl: SDXLConfig, file_device: str = "cpu") -> Any:
+        """The model in fp32 (a single file is read to ``file_device``, ``--lowram``)."""
+        from library.models import load_sd_model
+
+        return load_sd_model(cfg.pretrained_model_name_or_path, v2=cfg.v2, v_parameterization=cfg.v_parameterization,
+                             vae=cfg.vae, file_device=file_device)
+
+    def text_encoders(self, model: Any) -> list[torch.nn.Module]:
+        return [model.text_encoder]
+
+    def network_text_encoder(self, model: Any) -> Any:
+        """What ``create_network`` / ``apply_to`` receive as the text encoder (sd-scripts passes the module)."""
+        return model.text_encoder
+
+    def encode(self, model: Any, captions: list[str], device: torch.device, *, clip_skip: int | None,
+               max_token_length: int | None) -> torch.Tensor:
+        from library.text_encoding import encode_text, tokenize
+
+        ids = to_device(tokenize(model.tokenizer, captions, max_token_length), device)
+        return encode_text(model.text_encoder, ids, clip_skip=clip_skip, max_token_length=max_token_length,
+                           v2=model.v2)
+
+    def predict(self, model: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: torch.Tensor, batch: dict,
+                dtype: torch.dtype) -> torch.Tensor:
+        return model.unet(noisy, timesteps, cond.to(dtype)).sample
+
+
+@dataclass(frozen=True)
+class SDXLFamily:
+    """Stable Diffusion XL (``sdxl_train_network.py``): CLIP ViT-L + OpenCLIP ViT-bigG, pooled text embedding and
+    size conditioning as extra UNet inputs; text encoder outputs can be cached."""
+
+    name: str = "sdxl"
+    caches_text_outputs: bool = True
+    cache_names: tuple[str, ...] = ("hidden_state1", "hidden_state2", "pool2")  # upstream's npz keys
+
+    def load(self, cfg: ModelConfig, sdxl: SDXLConfig, file_device: str = "cpu") -> Any:
+        """SDXL files are read to the CPU (``file_device`` is not used: ``--lowram`` moves the parts afterwards)."""
+        from library.sdxl_models import load_sdxl_model
+
+        return load_sdxl_model(cfg.pretrained_model_name_or_path, vae=cfg.vae,
+                               disable_mmap=sdxl.disable_mmap_load_safetensors)
+
+    def text_encoders(self, model: Any) -> list[torch.nn.Module]:
+        return [model.text_encoder, model.text_encoder_2]
+
+    def network_text_encoder(self, model: Any) -> Any:
+        return [model.text_encoder, model.text_encoder_2]
+
+    def encode(self, model: Any, captions: list[str], device: torch.device, *, clip_skip: int | None,
+               max_token_length: int | None) -> Any:
+        from library.text_encoding_sdxl import encode_sdxl, tokenize_sdxl
+
+        ids = tokenize_sdxl((model.tokenizer, model.tokenizer_2), captions, max_token_length)
+        return encode_sdxl(model.text_encoders, tuple(to_device(i, device) for i in ids),
+                           max_token_length=max_token_length, eos_token_id=model.tokenizer_2.eos_token_id)
+
+    def to_cache(self, cond: Any) -> dict[str, torch.Tensor]:
+        """Per-batch tensors to store for ``--cache_text_encoder_outputs`` (float32, on the CPU)."""
+        tensors = (cond.hidden_states_1, cond.hidden_states_2, cond.pool_2)
+        return {name: t.detach().float().cpu() for name, t in zip(self.cache_names, tensors, strict=True)}
+
+    def from_cache(self, tensors: dict[str, torch.Tensor], device: torch.device) -> Any:
+        from library.text_encoding_sdxl import SDXLTextConditioning
+
+        first, second, pool = (to_device(tensors[name], device) for name in self.cache_names)
+        return SDXLTextConditioning(first, second, pool)
+
+    def predict(self, model: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: Any, batch: dict,
+                dtype: torch.dtype) -> torch.Tensor:
+        # The six size numbers stay float32: their sinusoids are computed in fp32 as upstream's get_size_embeddings.
+        time_ids = to_device(batch["size_conditions"], noisy.device).float()
+        return model.unet(noisy, timesteps, cond.encoder_hidden_states().to(dtype),
+                          added_cond_kwargs={"text_embeds": cond.pool_2.to(dtype), "time_ids": time_ids}).sample
+
+
+FAMILIES = {"sd": SDFamily(), "sdxl": SDXLFamily()}
+
+
+def model_family(name: str) -> SDFamily | SDXLFamily:
+    return FAMILIES[name]
