@@ -25,8 +25,9 @@ class SDFamily:
     name: str = "sd"
     caches_text_outputs: bool = False
 
-    def load(self, cfg: ModelConfig, sdxl: SDXLConfig, file_device: str = "cpu") -> Any:
-        """The model in fp32 (a single file is read to ``file_device``, ``--lowram``)."""
+    def load(self, cfg: ModelConfig, sdxl: SDXLConfig, dtype: torch.dtype, file_device: str = "cpu") -> Any:
+        """The model in fp32 (``dtype``, the frozen weight dtype, is for built-ins that can be made in it; a single
+        file is read to ``file_device``, ``--lowram``)."""
         from library.models import load_sd_model
 
         return load_sd_model(cfg.pretrained_model_name_or_path, v2=cfg.v2, v_parameterization=cfg.v_parameterization,
@@ -61,12 +62,13 @@ class SDXLFamily:
     caches_text_outputs: bool = True
     cache_names: tuple[str, ...] = ("hidden_state1", "hidden_state2", "pool2")  # upstream's npz keys
 
-    def load(self, cfg: ModelConfig, sdxl: SDXLConfig, file_device: str = "cpu") -> Any:
-        """SDXL files are read to the CPU (``file_device`` is not used: ``--lowram`` moves the parts afterwards)."""
+    def load(self, cfg: ModelConfig, sdxl: SDXLConfig, dtype: torch.dtype, file_device: str = "cpu") -> Any:
+        """SDXL files are read to the CPU (``file_device`` is not used: ``--lowram`` moves the parts afterwards);
+        ``builtin:sdxl-random`` is made in ``dtype``."""
         from library.sdxl_models import load_sdxl_model
 
         return load_sdxl_model(cfg.pretrained_model_name_or_path, vae=cfg.vae,
-                               disable_mmap=sdxl.disable_mmap_load_safetensors)
+                               disable_mmap=sdxl.disable_mmap_load_safetensors, random_dtype=dtype)
 
     def text_encoders(self, model: Any) -> list[torch.nn.Module]:
         return [model.text_encoder, model.text_encoder_2]

@@ -29,7 +29,8 @@ def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPo
     if family.name == "sdxl" and cfg.clip_skip is not None:
         log.warning("--clip_skip %s has no effect on SDXL: both text encoders give their penultimate layer "
                     "(sd-scripts warns the same)", cfg.clip_skip)
-    model = family.load(cfg, sdxl or SDXLConfig(), file_device=str(device) if cfg.lowram else "cpu")
+    model = family.load(cfg, sdxl or SDXLConfig(), policy.frozen_dtype,
+                        file_device=str(device) if cfg.lowram else "cpu")
     if cfg.lowram:
         log.info(_lowram_note(cfg.pretrained_model_name_or_path, device))
     if cfg.tokenizer_cache_dir and family.name == "sdxl":

@@ -17,10 +17,14 @@ pads with id 0 ("!"), as upstream sets ``tokenizer2.pad_token_id = 0``. The trai
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from library.errors import UserError
 from library.model_parts import config_dir, force_offline, seeded
 from library.sdxl_parts import SDXLModel, assemble_sdxl, build_sdxl_from_config
+
+if TYPE_CHECKING:
+    import torch
 
 BUILTIN_TINY_SDXL = "builtin:tiny-sdxl"
 BUILTIN_SDXL_MODELS = {BUILTIN_TINY_SDXL: "tiny-sdxl", "builtin:sdxl-random": "sdxl"}
@@ -31,11 +35,20 @@ SDXL_ACCEPTED_FORMS = (
 SDXL_PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 
 
-def build_builtin_sdxl(name: str, seed: int = 0, *, empty: bool = False) -> SDXLModel:
+def build_builtin_sdxl(name: str, seed: int = 0, *, empty: bool = False,
+                       dtype: torch.dtype | None = None) -> SDXLModel:
     """A built-in SDXL (``BUILTIN_SDXL_MODELS``) with weights drawn from ``seed``; the caller's RNG is untouched.
-    ``empty`` builds it on the meta device (names and shapes only)."""
-    with seeded(seed):
-        parts = build_sdxl_from_config(config_dir(BUILTIN_SDXL_MODELS[name]), empty=empty)
+    ``empty`` builds it on the meta device (names and shapes only); ``dtype`` creates the weights in that dtype
+    (the real architecture is 14 GB in fp32, 7 GB in bf16)."""
+    import torch
+
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype or default)
+        with seeded(seed):
+            parts = build_sdxl_from_config(config_dir(BUILTIN_SDXL_MODELS[name]), empty=empty)
+    finally:
+        torch.set_default_dtype(default)
     return assemble_sdxl(*parts, name=name)
 
 
@@ -57,18 +70,22 @@ def _load_diffusers_folder(path: Path) -> SDXLModel:
     return assemble_sdxl(unet, vae, te1, te2, name=str(path))
 
 
-def load_sdxl_model(path: str, *, vae: str | None = None, disable_mmap: bool = False) -> SDXLModel:
+def load_sdxl_model(path: str, *, vae: str | None = None, disable_mmap: bool = False,
+                    random_dtype: torch.dtype | None = None) -> SDXLModel:
     """Load an SDXL model for LoRA training, offline (fp32, as upstream; the precision policy casts later).
 
     ``vae`` replaces the VAE (``--vae``); ``disable_mmap`` reads a single file into memory in one go instead of
-    memory-mapping it (``--disable_mmap_load_safetensors``).
+    memory-mapping it (``--disable_mmap_load_safetensors``). ``builtin:sdxl-random`` is created directly in
+    ``random_dtype`` (the frozen weight dtype): its random weights need no fp32 copy.
     """
     from library import sdxl_single_file
     from library.models import replace_vae
 
     force_offline()
-    if path in BUILTIN_SDXL_MODELS:
+    if path == BUILTIN_TINY_SDXL:
         model = build_builtin_sdxl(path)
+    elif path in BUILTIN_SDXL_MODELS:
+        model = build_builtin_sdxl(path, dtype=random_dtype)
     else:
         p = Path(path)
         if p.is_dir():

@@ -1,18 +1,25 @@
 """End-to-end check (patches/check.sh with SD_CHECK_E2E=1): the patched upstream's own ``train_network.py`` trains a
 LoRA for 2 steps on the real SD1.5 architecture with random weights, on CPU, with
-``--mixed_precision bf16 --full_bf16 --gradient_accumulation_steps 2 --optimizer_type SPARKLES``.
+``--mixed_precision bf16 --full_bf16 --gradient_accumulation_steps 2 --optimizer_type SPARKLES``. With ``--sdxl``
+(SD_CHECK_E2E_SDXL=1) the same for the patched ``sdxl_train_network.py`` on the real SDXL architecture with random
+weights, at 256 px with ``--cache_text_encoder_outputs --network_train_unet_only`` (about 5-10 min, 14 GB RAM,
+7 GB in TMPDIR).
 
 Usage (cwd: the patched upstream tree, PYTHONPATH: this folder, python: one with upstream's packages):
-    check_e2e.py WORK_DIR
+    check_e2e.py WORK_DIR [--sdxl]
 
 1. The model: this project's ``build_builtin("builtin:sd15-random")`` (random init from the bundled SD1.5 config),
    written by ``library.single_file.save_checkpoint`` as an fp16 single file in the original LDM layout, which
-   upstream's ``load_models_from_stable_diffusion_checkpoint`` reads. This runs with the project's python
+   upstream's ``load_models_from_stable_diffusion_checkpoint`` reads (SDXL: ``builtin:sdxl-random`` made in bf16 and
+   written by ``library.sdxl_single_file.save_sdxl_checkpoint`` in the SGM layout, which upstream's
+   ``load_models_from_sdxl_checkpoint`` reads). This runs with the project's python
    (``SD_CHECK_PROJECT_PYTHON``, default ``.venv/bin/python`` of this checkout); ``SD_CHECK_E2E_MODEL=FILE`` reuses a
    file made that way instead (about 2 GB, 30 s to make).
 2. Data: the project's ``configs/sample_data/10_shapes`` images resized to 256 px with their captions; tokenizer:
-   the project's bundled CLIP tokenizer where ``--tokenizer_cache_dir`` looks for it, so nothing is downloaded.
-3. ``train_network.py`` runs as ``__main__`` in a child process after ``upstream_env`` (torchvision stub, offline).
+   the project's bundled CLIP tokenizer where ``--tokenizer_cache_dir`` looks for it (for SDXL under both upstream
+   tokenizer names: they share the vocabulary, and upstream sets the second one's pad id itself), so nothing is
+   downloaded.
+3. The script runs as ``__main__`` in a child process after ``upstream_env`` (torchvision stub, offline).
 4. Asserts: exit 0, the log says full bf16 and SR accumulation over 2 micro-batches, no round-to-nearest warning,
    the LoRA file is written with ``ss_full_bf16`` and ``ss_sr_grad_accumulation`` true in its metadata, every
    ``lora_up`` weight (zero at init) is non-zero afterwards and all weights are finite bf16.
@@ -47,14 +54,39 @@ from library.models import build_builtin
 from library.single_file import save_checkpoint
 save_checkpoint(build_builtin("builtin:sd15-random", seed=0), Path(sys.argv[1]), dtype=torch.float16)
 """
+BUILD_SDXL_MODEL = """
+import sys
+from pathlib import Path
+import torch
+from library.sdxl_models import build_builtin_sdxl
+from library.sdxl_single_file import save_sdxl_checkpoint
+model = build_builtin_sdxl("builtin:sdxl-random", seed=0, dtype=torch.bfloat16)
+save_sdxl_checkpoint(model, Path(sys.argv[1]), config_name="sdxl")
+"""
+
+
+class Family:
+    """What differs between the SD1.5 and the SDXL check."""
+
+    def __init__(self, sdxl: bool) -> None:
+        self.sdxl = sdxl
+        self.script = "sdxl_train_network.py" if sdxl else "train_network.py"
+        self.model_name = "sdxl-random" if sdxl else "sd15-random"
+        self.build = BUILD_SDXL_MODEL if sdxl else BUILD_MODEL
+        self.tokenizer_names = (("openai_clip-vit-large-patch14", "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k") if sdxl
+                                else ("openai_clip-vit-large-patch14",))
+        self.extra = ["--cache_text_encoder_outputs", "--network_train_unet_only"] if sdxl else []
+        self.base_model_version = "sdxl_base_v1-0" if sdxl else "sd_v1"
+        self.key_sample = ("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_up.weight" if sdxl
+                           else "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.lora_up.weight")
 
 
 class CheckFailed(Exception):
     pass
 
 
-def run_train_network(argv: list[str]) -> None:
-    """The child: upstream's train_network.py as __main__, after the harness environment."""
+def run_train_network(script: str, argv: list[str]) -> None:
+    """The child: upstream's training script as __main__, after the harness environment."""
     import runpy
 
     import upstream_env  # noqa: F401  (first: torchvision stub, offline)
@@ -63,8 +95,8 @@ def run_train_network(argv: list[str]) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # upstream_env pins 1
-    sys.argv = ["train_network.py", *argv]
-    runpy.run_path("train_network.py", run_name="__main__")
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
 
 
 def run_logged(command: list[str], log: Path, timeout_s: int, **kwargs) -> tuple[int, float, float]:
@@ -87,7 +119,7 @@ def tail(log: Path, lines: int = 25) -> str:
     return "\n".join("       " + line for line in text.splitlines()[-lines:])
 
 
-def make_model(work: Path) -> tuple[Path, str]:
+def make_model(work: Path, family: Family) -> tuple[Path, str]:
     reuse = os.environ.get("SD_CHECK_E2E_MODEL", "")
     if reuse:
         if not Path(reuse).is_file():
@@ -95,19 +127,20 @@ def make_model(work: Path) -> tuple[Path, str]:
         return Path(reuse), "reused SD_CHECK_E2E_MODEL"
     python = os.environ.get("SD_CHECK_PROJECT_PYTHON", str(PROJECT_DIR / ".venv" / "bin" / "python"))
     if not Path(python).is_file():
-        raise CheckFailed(f"no project python at {python} to build builtin:sd15-random; set SD_CHECK_PROJECT_PYTHON"
-                          " or SD_CHECK_E2E_MODEL")
-    model = work / "sd15-random.safetensors"
+        raise CheckFailed(f"no project python at {python} to build builtin:{family.model_name}; set "
+                          "SD_CHECK_PROJECT_PYTHON or SD_CHECK_E2E_MODEL")
+    model = work / f"{family.model_name}.safetensors"
     env = {**os.environ, "PYTHONPATH": str(PROJECT_DIR)}
     log = work / "build_model.log"
-    status, seconds, _ = run_logged([python, "-c", BUILD_MODEL, str(model)], log, BUILD_TIMEOUT_S, env=env,
+    status, seconds, _ = run_logged([python, "-c", family.build, str(model)], log, BUILD_TIMEOUT_S, env=env,
                                     cwd=PROJECT_DIR)
     if status != 0 or not model.is_file():
-        raise CheckFailed(f"building builtin:sd15-random exited {status}:\n{tail(log)}")
-    return model, f"built in {seconds:.0f} s, {model.stat().st_size / 2**30:.1f} GB fp16"
+        raise CheckFailed(f"building builtin:{family.model_name} exited {status}:\n{tail(log)}")
+    dtype = "bf16" if family.sdxl else "fp16"
+    return model, f"built in {seconds:.0f} s, {model.stat().st_size / 2**30:.1f} GB {dtype}"
 
 
-def make_data(work: Path) -> tuple[Path, Path, int]:
+def make_data(work: Path, family: Family) -> tuple[Path, Path, int]:
     from PIL import Image
 
     data = work / "data"
@@ -121,7 +154,8 @@ def make_data(work: Path) -> tuple[Path, Path, int]:
             image.convert("RGB").resize((RESOLUTION, RESOLUTION), Image.BICUBIC).save(images / picture.name)
         shutil.copy(picture.with_suffix(".txt"), images)
     tokenizers = work / "tokenizers"
-    shutil.copytree(TOKENIZER, tokenizers / "openai_clip-vit-large-patch14")  # where --tokenizer_cache_dir looks
+    for name in family.tokenizer_names:
+        shutil.copytree(TOKENIZER, tokenizers / name)  # where --tokenizer_cache_dir looks
     return data, tokenizers, len(pictures)
 
 
@@ -139,7 +173,7 @@ def check_log(text: str) -> tuple[int, list[float]]:
     return int(found[1]), losses
 
 
-def check_lora(path: Path) -> tuple[dict[str, str], int, int]:
+def check_lora(path: Path, family: Family) -> tuple[dict[str, str], int, int]:
     import torch
     from safetensors import safe_open
 
@@ -152,6 +186,11 @@ def check_lora(path: Path) -> tuple[dict[str, str], int, int]:
                 raise CheckFailed(f"metadata {key}={metadata.get(key)!r}, expected 'True'")
         if metadata.get("ss_steps") != str(STEPS):
             raise CheckFailed(f"metadata ss_steps={metadata.get('ss_steps')!r}, expected {STEPS} optimizer steps")
+        if metadata.get("ss_base_model_version") != family.base_model_version:
+            raise CheckFailed(f"metadata ss_base_model_version={metadata.get('ss_base_model_version')!r}, expected "
+                              f"{family.base_model_version!r}")
+        if family.key_sample not in lora.keys():
+            raise CheckFailed(f"{family.key_sample} is not in the file")
         ups = [key for key in lora.keys() if ".lora_up." in key]
         if not ups:
             raise CheckFailed("no lora_up weights in the file")
@@ -170,14 +209,15 @@ def check_lora(path: Path) -> tuple[dict[str, str], int, int]:
         return metadata, len(ups), len(list(lora.keys()))
 
 
-def main(work: Path) -> int:
-    name = (f"end-to-end train_network.py: {STEPS} steps, SD1.5 random weights, {RESOLUTION} px, --mixed_precision"
-            f" bf16 --full_bf16 --gradient_accumulation_steps {ACCUMULATION} --optimizer_type SPARKLES")
+def main(work: Path, family: Family) -> int:
+    name = (f"end-to-end {family.script}: {STEPS} steps, {'SDXL' if family.sdxl else 'SD1.5'} random weights, "
+            f"{RESOLUTION} px, --mixed_precision bf16 --full_bf16 --gradient_accumulation_steps {ACCUMULATION} "
+            f"--optimizer_type SPARKLES{' ' + ' '.join(family.extra) if family.extra else ''}")
     started = time.monotonic()
     try:
         work.mkdir(parents=True, exist_ok=True)
-        model, model_note = make_model(work)
-        data, tokenizers, n_images = make_data(work)
+        model, model_note = make_model(work, family)
+        data, tokenizers, n_images = make_data(work, family)
         output = work / "output"
         argv = [
             "--pretrained_model_name_or_path", str(model), "--tokenizer_cache_dir", str(tokenizers),
@@ -187,16 +227,16 @@ def main(work: Path) -> int:
             "--max_data_loader_n_workers", "0", "--cache_latents",
             "--output_dir", str(output), "--output_name", "e2e", "--save_model_as", "safetensors",
             "--mixed_precision", "bf16", "--full_bf16", "--gradient_accumulation_steps", str(ACCUMULATION),
-            "--optimizer_type", "SPARKLES",
+            "--optimizer_type", "SPARKLES", *family.extra,
         ]  # fmt: skip
         log = work / "train_network.log"
-        status, seconds, peak_gb = run_logged([sys.executable, __file__, TRAIN_FLAG, *argv], log, TRAIN_TIMEOUT_S,
-                                              cwd=os.getcwd())
+        status, seconds, peak_gb = run_logged([sys.executable, __file__, TRAIN_FLAG, family.script, *argv], log,
+                                              TRAIN_TIMEOUT_S, cwd=os.getcwd())
         if status != 0:
-            raise CheckFailed(f"train_network.py exited {status} after {seconds:.0f} s:\n{tail(log)}")
+            raise CheckFailed(f"{family.script} exited {status} after {seconds:.0f} s:\n{tail(log)}")
         text = log.read_text(errors="replace").replace("\r", "\n")
         n_params, losses = check_log(text)
-        metadata, n_up, n_keys = check_lora(output / "e2e.safetensors")
+        metadata, n_up, n_keys = check_lora(output / "e2e.safetensors", family)
         step_times = re.findall(r"(\d+\.\d+)s/it", text)
     except CheckFailed as error:
         print(f"FAIL {name}: {error}")
@@ -205,7 +245,7 @@ def main(work: Path) -> int:
     print(f"ok   {name}")
     print(f"       model: {model_note}; data: {n_images} images x 10 repeats, latents cached; "
           f"OMP_NUM_THREADS={threads}")
-    print(f"       train_network.py: {seconds:.0f} s in all ({step_times[-1] if step_times else '?'} s per step of"
+    print(f"       {family.script}: {seconds:.0f} s in all ({step_times[-1] if step_times else '?'} s per step of"
           f" {ACCUMULATION} micro-batches),"
           f" peak RSS {peak_gb:.1f} GB; SR accumulation on {n_params} bf16 parameters over {ACCUMULATION}"
           f" micro-batches; avr_loss {losses[0]:g} -> {losses[-1]:g}")
@@ -217,10 +257,10 @@ def main(work: Path) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == TRAIN_FLAG:
-        run_train_network(sys.argv[2:])
-    elif len(sys.argv) == 2:
-        sys.exit(main(Path(sys.argv[1]).resolve()))
+    if len(sys.argv) > 2 and sys.argv[1] == TRAIN_FLAG:
+        run_train_network(sys.argv[2], sys.argv[3:])
+    elif len(sys.argv) in (2, 3) and sys.argv[2:] in ([], ["--sdxl"]):
+        sys.exit(main(Path(sys.argv[1]).resolve(), Family(sdxl=sys.argv[2:] == ["--sdxl"])))
     else:
         print(__doc__.split("Usage")[0].strip(), file=sys.stderr)
         sys.exit(2)
