@@ -52,12 +52,15 @@ def write_images(folder: Path, size: int) -> None:
         (folder / caption.name).write_text(caption.read_text(encoding="utf-8"), encoding="utf-8")
 
 
-def run_child(script: str, argv: list[str], log_file: Path, *markers: str) -> tuple[dict, str]:
-    """Run ``script --child argv`` from the repository root with its output in ``log_file``; return the merged
-    JSON of every ``markers`` line and the whole output. A failed run raises with the end of its output."""
+def run_child(script: str, argv: list[str], log_file: Path, *markers: str,
+              env: dict[str, str] | None = None) -> tuple[dict, str]:
+    """Run ``script --child argv`` from the repository root with its output in ``log_file`` (``env`` added to the
+    environment); return the merged JSON of every ``markers`` line and the whole output. A failed run raises with
+    the end of its output."""
     command = [sys.executable, str(Path(script).resolve()), "--child", *argv]
     with log_file.open("w") as out:
-        code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+        code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=False,
+                              env={**os.environ, **(env or {})}).returncode
     text = log_file.read_text()
     if code != 0 or not all(marker in text for marker in markers):
         raise RuntimeError(f"{shlex.join(command)} failed; see {log_file}:\n{text[-3000:]}")

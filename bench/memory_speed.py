@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import re
 import shlex
 import statistics
@@ -54,8 +55,9 @@ def reset_vm_hwm() -> None:
 
 
 def child(argv: list[str]) -> int:
-    """Run ``train_network.main(argv)`` in this process, timing each optimizer update and the memory peak of the
-    training loop (model loading, casting and latent caching excluded); print them as one JSON line at exit."""
+    """Run ``train_network.main(argv)`` in this process (the model family from ``BENCH_FAMILY``, default "sd"),
+    timing each optimizer update and the memory peak of the training loop (model loading, casting and latent
+    caching excluded); print them as one JSON line at exit."""
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -87,15 +89,16 @@ def child(argv: list[str]) -> int:
         return result
 
     Updater.update, run.train_loop = timed_update, measured_loop
-    code = train_network.main(argv)
+    code = train_network.main(argv, family=os.environ.get("BENCH_FAMILY", "sd"))
     report["step_seconds"] = [b - a for a, b in itertools.pairwise(stamps)]
     print(MARKER + json.dumps(report), flush=True)
     return code
 
 
-def measure(train_args: list[str], log_file: Path) -> dict:
-    """Run one configuration in a child process; its output goes to ``log_file``."""
-    report, text = run_child(__file__, train_args, log_file, MARKER)
+def measure(train_args: list[str], log_file: Path, family: str = "sd") -> dict:
+    """Run one configuration in a child process (``family`` "sdxl": as sdxl_train_network.py); its output goes to
+    ``log_file``."""
+    report, text = run_child(__file__, train_args, log_file, MARKER, env={"BENCH_FAMILY": family})
     trainer = re.search(r"\(([\d.]+) s/step\)", text)
     report["trainer_s_per_step"] = float(trainer.group(1)) if trainer else float("nan")
     return report

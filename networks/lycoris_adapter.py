@@ -16,6 +16,9 @@ and keep ``ss_network_module = "lycoris.kohya"`` in the metadata. It calls ``lyc
 * **Saving** goes through ``networks.lora.save_weights_file``: atomic, with sd-scripts' ``sshs_model_hash`` and
   ``sshs_legacy_hash`` (LyCORIS writes a different model hash and no legacy hash).
 
+SDXL is refused for now (``_refuse_sdxl``): LyCORIS would name the U-Net modules by diffusers' paths instead of the
+original layout every SDXL tool expects, and CLIP-L's without ``text_model``.
+
 Dropouts: ``neuron_dropout`` (``--network_dropout``) becomes LyCORIS's ``dropout`` unless network_args give one, as
 sd-scripts' trainer does; ``dropout``, ``rank_dropout`` and ``module_dropout`` must be probabilities in [0, 1).
 
@@ -47,6 +50,7 @@ from torch import nn
 
 from library.errors import UserError
 from networks.args import parse_probability
+from networks.families import is_sdxl_unet
 from networks.lora import cast_for_saving, save_weights_file
 
 log = logging.getLogger(__name__)
@@ -131,6 +135,7 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
                    text_encoder: Any, unet: Any, neuron_dropout: float | None = None,
                    **kwargs: Any) -> KohyaLycorisNetwork:
     """``lycoris.kohya.create_network`` with kohya text-encoder names and sd-scripts' save format."""
+    _refuse_sdxl(unet)
     if kwargs.get("dropout") is None and neuron_dropout is not None:
         kwargs["dropout"] = neuron_dropout
     for key in ("dropout", "rank_dropout", "module_dropout"):
@@ -153,6 +158,7 @@ def create_network_from_weights(multiplier: float, file: str | os.PathLike[str] 
                                 unet: Any, weights_sd: Mapping[str, torch.Tensor] | None = None,
                                 for_inference: bool = False, **kwargs: Any) -> tuple[KohyaLycorisNetwork, Any]:
     """``lycoris.kohya.create_network_from_weights`` (algorithm, rank and alpha read from the file)."""
+    _refuse_sdxl(unet)
     with _without_duplicate_targets():
         network, weights = kohya.create_network_from_weights(
             multiplier, None if file is None else os.fspath(file), vae, _text_encoder_view(text_encoder), unet,
@@ -160,3 +166,10 @@ def create_network_from_weights(multiplier: float, file: str | os.PathLike[str] 
         )
     network.__class__ = KohyaLycorisNetwork
     return network, weights
+
+
+def _refuse_sdxl(unet: Any) -> None:
+    if is_sdxl_unet(unet):
+        raise UserError("--network_module lycoris.kohya is not supported for SDXL here yet (its files would not carry "
+                        "the original-layout names SDXL tools expect); use networks.lora, with network_args "
+                        "conv_dim=N for LoCon")
