@@ -5,7 +5,8 @@ weight dtype); for upstream the same weights as an SGM single file (``library.sd
 ``--work``). LoRA rank 16 alpha 8 on the U-Net (``--network_train_unet_only`` in every row, so that cached and live
 text encoder outputs do the same work), batch 1, latents cached, the 8 sample images resized to ``--resolution``.
 Rows: fp32 + AdamW, mixed bf16 + AdamW, full bf16 + StochasticAdamW, each with and without
-``--gradient_checkpointing`` and ``--cache_text_encoder_outputs`` (``--only`` picks some).
+``--gradient_checkpointing`` and ``--cache_text_encoder_outputs`` (``--only`` picks some); ``--sdpa`` for both
+(upstream's own U-Net otherwise uses its plain attention; ours uses SDPA always).
 
 Ours runs through ``bench/memory_speed.py``'s child (median time between consecutive optimizer updates, peak RSS
 of the whole process and of the training loop). Upstream runs its own ``sdxl_train_network.py`` from ``--upstream``
@@ -128,7 +129,7 @@ def main() -> int:
               "--train_batch_size", "1", "--network_module", "networks.lora", "--network_dim", str(args.rank),
               "--network_alpha", "8", "--learning_rate", "1e-4", "--max_train_steps", str(args.steps),
               "--max_data_loader_n_workers", "0", "--seed", "0", "--cache_latents", "--network_train_unet_only",
-              "--save_model_as", "safetensors"]
+              "--save_model_as", "safetensors", "--sdpa"]
     rows = []
     started = time.perf_counter()
     for (precision, flags), checkpointing, cache in itertools.product(PRECISIONS.items(), (False, True),

@@ -9,8 +9,8 @@
 #                               random-weight SD1.5 (about 1-2 min, 7 GB RAM, 2 GB in TMPDIR; needs this checkout's
 #                               .venv or SD_CHECK_PROJECT_PYTHON to build the model, or SD_CHECK_E2E_MODEL=FILE)
 #              SD_CHECK_E2E_SDXL=1  also run harness/check_e2e.py --sdxl: 2 steps of the patched
-#                               sdxl_train_network.py on a random-weight SDXL at 256 px (about 5-10 min, 14 GB RAM,
-#                               7 GB in TMPDIR)
+#                               sdxl_train_network.py on a random-weight SDXL at 256 px (about 20 min on 2 CPU
+#                               threads, 12.5 GB RAM, 7 GB in TMPDIR)
 #              SD_CHECK_KEEP=1  keep the throw-away clone and print its path
 # Exit: 0 all checks passed, or skipped with a "SKIP:" line when the python packages cannot be installed;
 #       1 a check failed; 2 bad usage or an unusable UPSTREAM_DIR.
@@ -91,7 +91,7 @@ fi
 if [[ ${SD_CHECK_E2E_SDXL:-0} == 1 ]]; then
     run_harness check_e2e.py "$work/e2e-sdxl" --sdxl
 else
-    echo "--   end-to-end sdxl_train_network.py run: skipped (SD_CHECK_E2E_SDXL=1 runs it: 5-10 min, 14 GB RAM)"
+    echo "--   end-to-end sdxl_train_network.py run: skipped (SD_CHECK_E2E_SDXL=1 runs it: about 20 min, 12.5 GB RAM)"
 fi
 
 if [[ $failed != 0 ]]; then

@@ -2,8 +2,8 @@
 LoRA for 2 steps on the real SD1.5 architecture with random weights, on CPU, with
 ``--mixed_precision bf16 --full_bf16 --gradient_accumulation_steps 2 --optimizer_type SPARKLES``. With ``--sdxl``
 (SD_CHECK_E2E_SDXL=1) the same for the patched ``sdxl_train_network.py`` on the real SDXL architecture with random
-weights, at 256 px with ``--cache_text_encoder_outputs --network_train_unet_only`` (about 5-10 min, 14 GB RAM,
-7 GB in TMPDIR).
+weights, at 256 px with ``--cache_text_encoder_outputs --network_train_unet_only`` (about 20 min on 2 CPU threads,
+12.5 GB RAM, 7 GB in TMPDIR).
 
 Usage (cwd: the patched upstream tree, PYTHONPATH: this folder, python: one with upstream's packages):
     check_e2e.py WORK_DIR [--sdxl]

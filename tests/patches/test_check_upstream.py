@@ -1,7 +1,7 @@
 """patches/check.sh against a real upstream checkout: runs only when SD_SCRIPTS_DIR points at a kohya-ss/sd-scripts
 clone that has commit 48d368fa (see patches/README.md for how to get one); skipped with the reason otherwise.
 The end-to-end train_network.py run (about 1-2 min, 7 GB RAM) runs only when SD_CHECK_E2E=1 is set as well, the
-sdxl_train_network.py one (5-10 min, 14 GB RAM) only with SD_CHECK_E2E_SDXL=1."""
+sdxl_train_network.py one (about 20 min, 12.5 GB RAM) only with SD_CHECK_E2E_SDXL=1."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_end_to_end_train_network():
 
 
 NO_E2E_SDXL = ("SD_CHECK_E2E_SDXL=1 is not set: the end-to-end sdxl_train_network.py run (2 steps on a random-weight "
-               "SDXL, 5-10 min, 14 GB RAM) is opt-in")
+               "SDXL, about 20 min, 12.5 GB RAM) is opt-in")
 
 
 @pytest.mark.skipif(not UPSTREAM or os.environ.get("SD_CHECK_E2E_SDXL") != "1",
