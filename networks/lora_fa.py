@@ -21,6 +21,7 @@ from torch import nn
 
 from networks import lora
 from networks.args import parse_network_args
+from networks.families import family_of
 
 
 class LoRAFANetwork(lora.LoRANetwork):
@@ -61,7 +62,7 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
                    text_encoder: Any, unet: Any, neuron_dropout: float | None = None,
                    **kwargs: Any) -> LoRAFANetwork:
     """sd-scripts' entry point; ``kwargs`` are the network_args, as for ``networks.lora``."""
-    args = parse_network_args(network_dim, network_alpha, neuron_dropout, kwargs)
+    args = parse_network_args(network_dim, network_alpha, neuron_dropout, kwargs, layout=family_of(unet).blocks)
     return LoRAFANetwork(text_encoder, unet, multiplier=multiplier, args=args)
 
 
