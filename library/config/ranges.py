@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from library.config.sections import TrainConfig
+from library.config.sections import SECTION_CLASSES, TrainConfig
 
 FLOAT32_MAX = 3.4028234663852886e38
 NUM_TRAIN_TIMESTEPS = 1000  # SD 1.x/2.x DDPM schedule
@@ -23,8 +23,8 @@ SEED_LIMIT = 2**32  # sd-scripts seeds numpy too, which takes 0 .. 2**32 - 1
 def _non_finite(cfg: TrainConfig) -> list[str]:
     """Every float flag (and float list / pair item) must be finite: nan and inf only surface later, as NaN steps."""
     problems = []
-    for section in dataclasses.fields(cfg):
-        values = getattr(cfg, section.name)
+    for section in SECTION_CLASSES:
+        values = getattr(cfg, section)
         for f in dataclasses.fields(values):
             value = getattr(values, f.name)
             items = value if isinstance(value, (list, tuple)) else [value]

@@ -84,11 +84,10 @@ SECRET_FIELDS = ("wandb_api_key", "huggingface_token")
 
 
 def public_snapshot(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
-    """``asdict(cfg)`` by section, with every secret (``SECRET_FIELDS``) replaced by None: safe to write or log."""
-    snapshot = dataclasses.asdict(cfg)
+    """``asdict(cfg)`` by section (the sections only, not ``family``), with every secret (``SECRET_FIELDS``)
+    replaced by None: safe to write or log."""
+    snapshot = {name: section for name, section in dataclasses.asdict(cfg).items() if isinstance(section, dict)}
     for section in snapshot.values():
-        if not isinstance(section, dict):
-            continue
         for name in SECRET_FIELDS:
             if name in section:
                 section[name] = None
