@@ -280,8 +280,9 @@ def _check_table(table: Any, schema: dict[str, Checker], where: str, problems: _
     return out
 
 
-def _check_values(spec: DatasetSpec, problems: list[str]) -> None:
-    """Range checks sd-scripts makes with asserts at dataset construction, as messages."""
+def _check_values(spec: DatasetSpec, problems: list[str], bucket_step: int) -> None:
+    """Range checks sd-scripts makes with asserts at dataset construction, as messages; ``bucket_step`` is the model
+    family's ``verify_bucket_reso_steps`` multiple (64 for SD 1.x/2.x, 32 for SDXL)."""
     loc = spec.location
     if spec.resolution is None:
         problems.append(f"{loc}: resolution is required; set resolution in [general] or [[datasets]], "
@@ -289,9 +290,11 @@ def _check_values(spec: DatasetSpec, problems: list[str]) -> None:
     if spec.batch_size < 1:
         problems.append(f"{loc}: batch_size must be at least 1, got {spec.batch_size}")
     if spec.enable_bucket:
-        if spec.bucket_reso_steps < 1 or spec.bucket_reso_steps % 64 != 0:
-            problems.append(f"{loc}: bucket_reso_steps is {spec.bucket_reso_steps}; it must be a multiple of 64 "
-                            "for SD 1.x/2.x (the UNet halves the latent three times)")
+        if spec.bucket_reso_steps < 1 or spec.bucket_reso_steps % bucket_step != 0:
+            why = ("for SD 1.x/2.x (the UNet halves the latent three times)" if bucket_step == 64
+                   else "for SDXL (the UNet halves the latent twice)")
+            problems.append(f"{loc}: bucket_reso_steps is {spec.bucket_reso_steps}; it must be a multiple of "
+                            f"{bucket_step} {why}")
         if spec.min_bucket_reso < 1 or spec.max_bucket_reso < spec.min_bucket_reso:
             problems.append(f"{loc}: min_bucket_reso ({spec.min_bucket_reso}) must be positive and not above "
                             f"max_bucket_reso ({spec.max_bucket_reso})")
@@ -379,7 +382,8 @@ def _dataset_kind(subsets_raw: list[dict[str, Any]], masked_loss: bool, where: s
     return "finetune" if any(with_metadata) else "dreambooth"
 
 
-def parse_config(raw: dict[str, Any], source: str, data: DataConfig, masked_loss: bool = False) -> DatasetGroupSpec:
+def parse_config(raw: dict[str, Any], source: str, data: DataConfig, masked_loss: bool = False,
+                 bucket_step: int = 64) -> DatasetGroupSpec:
     """Validate a loaded dataset config and resolve every value; all problems are raised in one UserError.
 
     ``masked_loss`` (the loss section's ``--masked_loss``) admits datasets with ``conditioning_data_dir``."""
@@ -428,7 +432,7 @@ def parse_config(raw: dict[str, Any], source: str, data: DataConfig, masked_loss
     messages = problems.messages
     if not messages:
         for spec in datasets:
-            _check_values(spec, messages)
+            _check_values(spec, messages, bucket_step)
     if messages:
         raise UserError(*messages)
     return DatasetGroupSpec(tuple(datasets), from_file=True, prior_loss_weight=data.prior_loss_weight)
@@ -520,7 +524,7 @@ def _add_mask_folders(subsets: list[dict[str, Any]], masks: str, problems: list[
                         "--train_data_dir in a folder of the same name under --conditioning_data_dir")
 
 
-def specs_from_cli(data: DataConfig, masked_loss: bool = False) -> DatasetGroupSpec:
+def specs_from_cli(data: DataConfig, masked_loss: bool = False, bucket_step: int = 64) -> DatasetGroupSpec:
     """The single dataset sd-scripts builds from ``--train_data_dir``/``--reg_data_dir`` or ``--in_json``, with the
     mask folders of ``--conditioning_data_dir``."""
     problems: list[str] = []
@@ -553,7 +557,7 @@ def specs_from_cli(data: DataConfig, masked_loss: bool = False) -> DatasetGroupS
     subsets = tuple(_subset_from([s, cli], s["location"]) for s in raw_subsets)
     location = "--train_data_dir" if is_dreambooth else "--in_json"
     spec = _resolve(DatasetSpec, [cli], location=location, is_dreambooth=is_dreambooth, subsets=subsets)
-    _check_values(spec, problems)
+    _check_values(spec, problems, bucket_step)
     if problems:
         raise UserError(*problems)
     dirs = tuple(d for d in (data.train_data_dir,) if d is not None)
@@ -577,12 +581,13 @@ def _check_mask_sources(group: DatasetGroupSpec, masked_loss: bool) -> None:
                        "; ".join(unmasked))
 
 
-def load_dataset_specs(data: DataConfig, masked_loss: bool = False) -> DatasetGroupSpec:
+def load_dataset_specs(data: DataConfig, masked_loss: bool = False, bucket_step: int = 64) -> DatasetGroupSpec:
     """Resolve the datasets of a run from ``--dataset_config`` or, without one, from the CLI folder flags.
 
-    ``masked_loss`` is the loss section's ``--masked_loss``: it admits mask images and requires a mask source."""
+    ``masked_loss`` is the loss section's ``--masked_loss``: it admits mask images and requires a mask source.
+    ``bucket_step``: what ``bucket_reso_steps`` must be a multiple of (the model family's, 64 or SDXL's 32)."""
     if data.dataset_config is None:
-        group = specs_from_cli(data, masked_loss)
+        group = specs_from_cli(data, masked_loss, bucket_step)
     else:
         names = ("train_data_dir", "reg_data_dir", "in_json", "conditioning_data_dir")
         ignored = [f"--{n}" for n in names if getattr(data, n) is not None]
@@ -591,6 +596,6 @@ def load_dataset_specs(data: DataConfig, masked_loss: bool = False) -> DatasetGr
                            "list the folders as [[datasets.subsets]] image_dir (and conditioning_data_dir) instead",
                            ", ".join(ignored))
         raw = read_config_file(data.dataset_config)
-        group = parse_config(raw, str(data.dataset_config), data, masked_loss)
+        group = parse_config(raw, str(data.dataset_config), data, masked_loss, bucket_step)
     _check_mask_sources(group, masked_loss)
     return group

@@ -95,8 +95,9 @@ def run(cfg: TrainConfig) -> RunResult | None:
             seed = stored_seed
             log.info("--resume without --seed: using the seed of the run that saved the state, %d", seed)
         seed = processes.decide_seed(seed)
+        family = model_family(cfg.family)
         data = build_train_data(cfg.data, seed=seed, max_token_length=cfg.model.max_token_length,
-                                masked_loss=cfg.loss.masked_loss, v2=cfg.model.v2)
+                                masked_loss=cfg.loss.masked_loss, v2=cfg.model.v2, bucket_step=family.bucket_step)
         data.shard(processes.shard)
         plan = plan_steps(len(data), batch_size=cfg.data.train_batch_size,
                           gradient_accumulation_steps=cfg.schedule.gradient_accumulation_steps,
@@ -132,7 +133,6 @@ def run(cfg: TrainConfig) -> RunResult | None:
             random.seed(seed)
             device = processes.device
             policy = precision_policy(cfg.precision)
-            family = model_family(cfg.family)
             model = model_setup.load_model(cfg.model, cfg.precision, policy, device, family, cfg.sdxl)
             network_setup.merge_base_weights(cfg.model, cfg.network.network_module, model, policy, family)
             model_setup.store_frozen_fp8(model, policy, family)

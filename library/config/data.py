@@ -25,7 +25,7 @@ class DataConfig:
     enable_bucket: bool = flag(False, "aspect-ratio bucketing")
     min_bucket_reso: int = flag(256, "smallest bucket side in pixels")
     max_bucket_reso: int = flag(1024, "largest bucket side in pixels")
-    bucket_reso_steps: int = flag(64, "bucket side step in pixels (a multiple of 64 for SD1/2)")
+    bucket_reso_steps: int = flag(64, "bucket side step in pixels (a multiple of 64 for SD1/2, of 32 for SDXL)")
     bucket_no_upscale: bool = flag(False, "never upscale images to fill a bucket")
     resize_interpolation: str | None = flag(
         None, "resize filter (default: area when shrinking, lanczos when enlarging)",

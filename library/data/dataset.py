@@ -328,7 +328,7 @@ def _mask_note(sub: SubsetSpec) -> str:
 
 
 def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | None = None, masked_loss: bool = False,
-                     v2: bool = False):
+                     v2: bool = False, bucket_step: int = 64):
     """Scan and validate the datasets of a run (all problems in one UserError); no model needed. The images a
     ``validation_split`` holds out are in ``.validation`` (``library/data/split.py``; the batch order and every
     random choice of their batches are keyed by ``--validation_seed``, else ``seed``).
@@ -337,7 +337,7 @@ def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | Non
     requires some mask source. Returns ``TrainData``, or with ``--dataset_class`` the adapter of the user's class
     (``library/data/custom.py``), which is constructed with ``max_token_length`` and the tokenizer of the model
     family (``v2``). The trainer's own datasets return captions as text, tokenized by the trainer, so these two do
-    not change them.
+    not change them. ``bucket_step``: the model family's multiple for ``bucket_reso_steps`` (64; SDXL 32).
     """
     if data.persistent_data_loader_workers:
         logger.info("--persistent_data_loader_workers: data loader workers stay alive between epochs by default "
@@ -346,7 +346,7 @@ def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | Non
         from library.data.custom import build_custom_data
 
         return build_custom_data(data, seed=seed, max_token_length=max_token_length, v2=v2, masked_loss=masked_loss)
-    group = load_dataset_specs(data, masked_loss)
+    group = load_dataset_specs(data, masked_loss, bucket_step)
     datasets, held_out = prepare_datasets(list(group.datasets), data.skip_broken_images, seed)
     if data.cache_latents_to_disk:
         folders = sorted({str(Path(item.path).parent) for ds in datasets + held_out for item in ds.items})

@@ -32,7 +32,7 @@ def _train_data(root: Path, *extra: str):
     cfg, _ = parse_args(["--pretrained_model_name_or_path", "builtin:tiny-sdxl", "--output_dir", "out",
                          "--train_data_dir", str(root), "--caption_extension", ".txt", "--resolution", "64",
                          "--max_data_loader_n_workers", "0", *extra], "sdxl")
-    return build_train_data(cfg.data, seed=3)
+    return build_train_data(cfg.data, seed=3, bucket_step=32)
 
 
 def test_batches_carry_upstreams_size_conditions(tmp_path):
@@ -49,6 +49,26 @@ def test_batches_carry_upstreams_size_conditions(tmp_path):
     # img1 64x96: fit 42.67 x 64, left 10, right 52.67; flipped left int(64 - 52.67) = 11
     assert seen["img1.png"] <= {(96, 64, 0, 10, 64, 64), (96, 64, 0, 11, 64, 64)}
     assert seen["img2.png"] == {(80, 80, 0, 0, 64, 64)}
+
+
+def test_buckets_in_steps_of_32(tmp_path):
+    """sd-scripts' SDXL trainer checks ``verify_bucket_reso_steps(32)`` (SD 1.x/2.x: 64). At area 64x64, steps 32,
+    sides 32-128 the buckets are (32,128), (64,64), (96,32), (128,32) and their transposes (``make_bucket_resolutions``
+    by hand: h = min(128, 4096 // w // 32 * 32)); a 96x32 image has aspect 3 and lands in 96x32 uncropped."""
+    root = _data(tmp_path, sizes=((96, 32),))
+    data = _train_data(root, "--enable_bucket", "--min_bucket_reso", "32", "--max_bucket_reso", "128",
+                       "--bucket_reso_steps", "32")
+    data.set_epoch(1)
+    batch = next(iter(data.dataloader(0)))
+    assert batch["size_conditions"].tolist() == [[32, 96, 0, 0, 32, 96]]
+
+
+def test_steps_of_32_refused_for_sd(tmp_path):
+    cfg, _ = parse_args(["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--output_dir", "out",
+                         "--train_data_dir", str(_data(tmp_path)), "--resolution", "64", "--enable_bucket",
+                         "--bucket_reso_steps", "32"])
+    with pytest.raises(UserError, match="bucket_reso_steps is 32; it must be a multiple of 64 for SD 1.x/2.x"):
+        build_train_data(cfg.data, seed=3)
 
 
 def _cache(data, encoded: list[list[str]], to_disk: bool = True, encoder_id: str = "te-a", mtl=None):

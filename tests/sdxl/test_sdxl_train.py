@@ -96,3 +96,12 @@ def test_full_bf16_from_disk_cache_and_exact_resume(tmp_path):
     assert whole.keys() == resumed.keys()
     for key in whole:
         torch.testing.assert_close(resumed[key], whole[key], rtol=0, atol=0)
+
+
+def test_bucket_steps_of_32_are_accepted(tmp_path):
+    """sdxl_train_network.py takes ``--bucket_reso_steps 32`` (upstream's ``verify_bucket_reso_steps(32)``), which
+    train_network.py refuses."""
+    bucketed = ("--enable_bucket", "--bucket_reso_steps", "32", "--min_bucket_reso", "32")
+    assert train(sdxl_args(tmp_path / "xl", *bucketed, "--network_train_unet_only")) == 0
+    sd = ["builtin:tiny-sd15" if a == "builtin:tiny-sdxl" else a for a in sdxl_args(tmp_path / "sd", *bucketed)]
+    assert train_network.main(sd) == 2 and not (tmp_path / "sd").exists()
