@@ -42,12 +42,18 @@ class SDFamily:
         return model.text_encoder
 
     def encode(self, model: Any, captions: list[str], device: torch.device, *, clip_skip: int | None,
-               max_token_length: int | None) -> torch.Tensor:
-        from library.text_encoding import encode_text, tokenize
+               max_token_length: int | None, weighted: bool = False) -> torch.Tensor:
+        """Encoder states of the captions; ``weighted`` (``--weighted_captions``): scaled by each token's weight."""
+        from library.text_encoding import apply_token_weights, encode_text, tokenize, tokenize_with_weights
 
-        ids = to_device(tokenize(model.tokenizer, captions, max_token_length), device)
-        return encode_text(model.text_encoder, ids, clip_skip=clip_skip, max_token_length=max_token_length,
-                           v2=model.v2)
+        if not weighted:
+            ids = to_device(tokenize(model.tokenizer, captions, max_token_length), device)
+            return encode_text(model.text_encoder, ids, clip_skip=clip_skip, max_token_length=max_token_length,
+                               v2=model.v2)
+        ids, weights = tokenize_with_weights(model.tokenizer, captions, max_token_length)
+        states = encode_text(model.text_encoder, to_device(ids, device), clip_skip=clip_skip,
+                             max_token_length=max_token_length, v2=model.v2)
+        return apply_token_weights(states, to_device(weights, device), max_token_length)
 
     def predict(self, model: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: torch.Tensor, batch: dict,
                 dtype: torch.dtype) -> torch.Tensor:
@@ -79,9 +85,12 @@ class SDXLFamily:
         return [model.text_encoder, model.text_encoder_2]
 
     def encode(self, model: Any, captions: list[str], device: torch.device, *, clip_skip: int | None,
-               max_token_length: int | None) -> Any:
-        from library.text_encoding_sdxl import encode_sdxl, tokenize_sdxl
+               max_token_length: int | None, weighted: bool = False) -> Any:
+        """Both encoders' conditioning (``clip_skip`` does not apply); ``weighted``: see ``encode_sdxl_weighted``."""
+        from library.text_encoding_sdxl import encode_sdxl, encode_sdxl_weighted, tokenize_sdxl
 
+        if weighted:
+            return encode_sdxl_weighted(model, captions, device, max_token_length)
         ids = tokenize_sdxl((model.tokenizer, model.tokenizer_2), captions, max_token_length)
         return encode_sdxl(model.text_encoders, tuple(to_device(i, device) for i in ids),
                            max_token_length=max_token_length, eos_token_id=model.tokenizer_2.eos_token_id)

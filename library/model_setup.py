@@ -160,21 +160,25 @@ def module_id(*modules: torch.nn.Module) -> str:
 
 
 def cache_text_encoder_outputs(data, model, family: SDXLFamily, policy: PrecisionPolicy, device: torch.device,
-                               sdxl: SDXLConfig, max_token_length: int | None, batch_size: int) -> None:
+                               sdxl: SDXLConfig, max_token_length: int | None, batch_size: int,
+                               weighted: bool = False) -> None:
     """``--cache_text_encoder_outputs``: encode every caption once with the frozen text encoders (in RAM, or in
-    ``<image>_te_outputs.npz`` with ``--cache_text_encoder_outputs_to_disk``), then move the encoders to the CPU,
-    as sd-scripts does; the network must train the UNet only (checked before loading)."""
+    ``<image>_te_outputs.npz`` with ``--cache_text_encoder_outputs_to_disk``), the held-out validation images' too,
+    then move the encoders to the CPU, as sd-scripts does; the network must train the UNet only (checked before
+    loading). With ``weighted`` (``--weighted_captions``) the weighted outputs are cached, as sd-scripts'
+    ``is_weighted`` caching strategy."""
     text_encoders = family.text_encoders(model)
 
     @torch.no_grad()
     def encode(captions: list[str]) -> dict[str, torch.Tensor]:
         with policy.autocast(device):
-            cond = family.encode(model, captions, device, clip_skip=None, max_token_length=max_token_length)
+            cond = family.encode(model, captions, device, clip_skip=None, max_token_length=max_token_length,
+                                 weighted=weighted)
         return family.to_cache(cond)
 
     data.cache_text_encoder_outputs(encode, to_disk=sdxl.cache_text_encoder_outputs_to_disk,
                                     encoder_id=module_id(*text_encoders), max_token_length=max_token_length,
-                                    names=family.cache_names, batch_size=batch_size)
+                                    names=family.cache_names, batch_size=batch_size, weighted=weighted)
     for text_encoder in text_encoders:
         text_encoder.to("cpu")
 

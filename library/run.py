@@ -148,7 +148,8 @@ def run(cfg: TrainConfig) -> RunResult | None:
                                           share=processes.owns_item, wait=processes.sync)
             if cfg.sdxl.cache_text_encoder_outputs or cfg.sdxl.cache_text_encoder_outputs_to_disk:
                 model_setup.cache_text_encoder_outputs(data, model, family, policy, device, cfg.sdxl,
-                                                       cfg.model.max_token_length, cfg.data.train_batch_size)
+                                                       cfg.model.max_token_length, cfg.data.train_batch_size,
+                                                       cfg.model.weighted_captions)
             groups, descriptions = network_setup.param_groups(network, cfg.optimizer)
             optimizer = optimizer_setup.build_optimizer(choice, groups, cfg.optimizer.learning_rate)
             scheduler = optimizer_setup.build_scheduler(optimizer, lr_schedule)
@@ -201,7 +202,8 @@ def run(cfg: TrainConfig) -> RunResult | None:
             samples = make_sample_hooks(sample_plan if processes.is_main else None, model, network, policy, device,
                                         Path(cfg.save.output_dir), cfg.save.output_name, tracker, cfg.model.clip_skip)
             validation = build_validation(data.validation, cfg.validation, batch_loss,
-                                          (network, model.text_encoder, model.unet), plan.max_train_steps)
+                                          (network, *family.text_encoders(model), model.unet),
+                                          plan.max_train_steps)
             saves = processes.gate_saves(
                 make_save_hooks(saver, names, network, state.capture, meta, cfg.save, plan.num_epochs), params,
                 state.rng)

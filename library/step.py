@@ -33,7 +33,7 @@ from library.model_parts import SDModel
 from library.noise import loss_weight_snr, noisy_latents, sample_noise, sample_timesteps, training_target
 from library.precision import PrecisionPolicy
 from library.readout import Readout, to_device
-from library.text_encoding import apply_token_weights, encode_text, tokenize_with_weights
+from library.text_encoding import encode_text
 
 log = logging.getLogger(__name__)
 
@@ -93,25 +93,17 @@ class BatchLoss:
         return latents * vae.config.scaling_factor
 
     def conditioning(self, captions: list[str]):
-        """The text conditioning of the captions (the model family's); with ``--weighted_captions`` (SD 1.x/2.x)
-        scaled by each token's caption weight."""
-        if self.weighted_captions:
-            ids, weights = tokenize_with_weights(self.model.tokenizer, captions, self.max_token_length)
-            weights = to_device(weights, self.device)
-            return self.encode_ids(ids, weights)
+        """The text conditioning of the captions (the model family's); with ``--weighted_captions`` scaled by each
+        token's caption weight."""
         with torch.set_grad_enabled(self.train_text_encoder), self.policy.autocast(self.device):
             return self.family.encode(self.model, captions, self.device, clip_skip=self.clip_skip,
-                                      max_token_length=self.max_token_length)
+                                      max_token_length=self.max_token_length, weighted=self.weighted_captions)
 
-    def encode_ids(self, ids: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """SD 1.x/2.x text-encoder states of token ids [B, 77·n] (``tokenize``'s form), scaled per token by
-        ``weights``."""
+    def encode_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """SD 1.x/2.x text-encoder states of token ids [B, 77·n] (``tokenize``'s form)."""
         with torch.set_grad_enabled(self.train_text_encoder), self.policy.autocast(self.device):
-            states = encode_text(self.model.text_encoder, to_device(ids, self.device), clip_skip=self.clip_skip,
-                                 max_token_length=self.max_token_length, v2=self.model.v2)
-            if weights is None:
-                return states
-            return apply_token_weights(states, weights, self.max_token_length)
+            return encode_text(self.model.text_encoder, to_device(ids, self.device), clip_skip=self.clip_skip,
+                               max_token_length=self.max_token_length, v2=self.model.v2)
 
     def text_states(self, batch: dict):
         """The batch's conditioning: cached text encoder outputs (SDXL) when the batch has them. Token ids come

@@ -11,6 +11,12 @@
   "workaround", which does not depend on the EOS being the largest id), through ``text_projection``; of several
   chunks the first chunk's is used.
 
+* ``--weighted_captions`` (``SdxlTokenizeStrategy.tokenize_with_weights``,
+  ``SdxlTextEncodingStrategy.encode_tokens_with_weights``): each tokenizer weights its own tokens as for SD 1.x/2.x
+  (``text_encoding.tokenize_with_weights``), each hidden state is multiplied by its encoder's weights
+  (``text_encoding.apply_token_weights``: every position with one chunk, the 75 text positions of each chunk with
+  several), and the pooled output is left as encoded.
+
 The UNet's text input is the two hidden states concatenated on the feature axis (768 + 1280 = 2048 for SDXL).
 ``--clip_skip`` does not apply (upstream warns that it "will be unexpected" and uses the penultimate layers).
 """
@@ -20,11 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from library.text_encoding import CHUNK, num_chunks, tokenize
+from library.readout import to_device
+from library.text_encoding import CHUNK, apply_token_weights, num_chunks, tokenize, tokenize_with_weights
 
 if TYPE_CHECKING:
     import torch
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    from library.sdxl_parts import SDXLModel
 
 
 @dataclass
@@ -92,4 +101,19 @@ def encode_sdxl(text_encoders: tuple[CLIPTextModel, CLIPTextModelWithProjection]
         hidden_states_1=_merge_chunks(hidden1, batch, n),
         hidden_states_2=_merge_chunks(out2.hidden_states[-2], batch, n),
         pool_2=pool[::n],
+    )
+
+
+def encode_sdxl_weighted(model: SDXLModel, captions: list[str], device: torch.device,
+                         max_token_length: int | None) -> SDXLTextConditioning:
+    """``--weighted_captions``: the conditioning of ``encode_sdxl`` with each hidden state scaled by its own
+    tokenizer's token weights; the pooled output unchanged (see the module docstring)."""
+    (ids1, weights1), (ids2, weights2) = (tokenize_with_weights(tokenizer, captions, max_token_length)
+                                          for tokenizer in (model.tokenizer, model.tokenizer_2))
+    cond = encode_sdxl(model.text_encoders, (to_device(ids1, device), to_device(ids2, device)),
+                       max_token_length=max_token_length, eos_token_id=model.tokenizer_2.eos_token_id)
+    return SDXLTextConditioning(
+        hidden_states_1=apply_token_weights(cond.hidden_states_1, to_device(weights1, device), max_token_length),
+        hidden_states_2=apply_token_weights(cond.hidden_states_2, to_device(weights2, device), max_token_length),
+        pool_2=cond.pool_2,
     )

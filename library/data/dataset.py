@@ -275,9 +275,10 @@ class TrainData:
 
     def cache_text_encoder_outputs(self, encode: Callable[[list[str]], dict[str, torch.Tensor]], *, to_disk: bool,
                                    encoder_id: str, max_token_length: int | None, names: tuple[str, ...],
-                                   batch_size: int) -> None:
+                                   batch_size: int, weighted: bool = False) -> None:
         """Encode every image's caption once (SDXL ``--cache_text_encoder_outputs``); keep the outputs in RAM or in
-        ``<image>_te_outputs.npz`` (see ``text_cache``; still-valid files are reused without encoding).
+        ``<image>_te_outputs.npz`` (see ``text_cache``; still-valid files are reused without encoding). The
+        validation images are cached alike (sd-scripts caches its validation dataset group too).
 
         ``encode`` maps captions to a dict of [B, ...] tensors named ``names``. Captions must be the same every
         step: a subset with shuffle_caption, caption or tag dropout, token warm-up or wildcards is refused, as
@@ -296,7 +297,7 @@ class TrainData:
             for i, item in enumerate(ds.items):
                 sub = ds.subsets[item.subset_index].spec
                 caption = process_caption(item.caption, sub, random.Random(0), CaptionState())
-                key = text_cache.cache_key(caption, max_token_length, encoder_id)
+                key = text_cache.cache_key(caption, max_token_length, encoder_id, weighted)
                 if to_disk and text_cache.is_valid(text_cache.npz_path(item.path), key, names):
                     self.text_outputs.disk[(d, i)] = str(text_cache.npz_path(item.path))
                     continue
@@ -314,6 +315,10 @@ class TrainData:
                     self.text_outputs.disk[(d, i)] = str(path)
                 else:
                     self.text_outputs.ram[(d, i)] = one
+        if self.validation is not None:
+            self.validation.cache_text_encoder_outputs(encode, to_disk=to_disk, encoder_id=encoder_id,
+                                                       max_token_length=max_token_length, names=names,
+                                                       batch_size=batch_size, weighted=weighted)
 
 
 def _caption_changes(sub: SubsetSpec) -> bool:

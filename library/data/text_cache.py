@@ -5,10 +5,10 @@ File: ``<image stem>_te_outputs.npz`` beside the image; ``np.savez`` with ``hidd
 ``hidden_state2`` ([75n+2, 1280]) and ``pool2`` ([1280]), the keys sd-scripts reads.
 
 Added key ``sdsb_cache_key`` (as in ``latent_cache``): a JSON string with the caption that was encoded, the
-``--max_token_length`` and the text encoders' id. A file whose key differs is rebuilt, so an edited caption, another
-length or another checkpoint never reuses stale outputs (sd-scripts checks only that the three arrays exist and so
-reuses outputs of an old caption). Files sd-scripts wrote (no key) are rebuilt, because what they encoded is unknown.
-Files are written to a temporary name and renamed.
+``--max_token_length``, whether ``--weighted_captions`` weighted it, and the text encoders' id. A file whose key
+differs is rebuilt, so an edited caption, another length, weighting or checkpoint never reuses stale outputs
+(sd-scripts checks only that the three arrays exist and so reuses outputs of an old caption). Files sd-scripts wrote
+(no key) are rebuilt, because what they encoded is unknown. Files are written to a temporary name and renamed.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def npz_path(image_path: str | Path) -> Path:
     return image_path.with_name(image_path.stem + SUFFIX)
 
 
-def cache_key(caption: str, max_token_length: int | None, encoder_id: str) -> str:
-    """What the cached outputs depend on, as a stable JSON string."""
-    return json.dumps({"caption": caption, "max_token_length": max_token_length, "encoder_id": encoder_id},
-                      sort_keys=True)
+def cache_key(caption: str, max_token_length: int | None, encoder_id: str, weighted: bool = False) -> str:
+    """What the cached outputs depend on, as a stable JSON string (``weighted``: ``--weighted_captions``)."""
+    return json.dumps({"caption": caption, "max_token_length": max_token_length, "encoder_id": encoder_id,
+                       "weighted": weighted}, sort_keys=True)
 
 
 def is_valid(path: Path, key: str, names: tuple[str, ...]) -> bool:

@@ -62,7 +62,7 @@ def test_sdxl_only_flags_are_refused_by_train_network(name, tmp_path):
     (["--v2"], "--v2 is for Stable Diffusion 2.x"),
     (["--cache_text_encoder_outputs"], "add --network_train_unet_only"),
     (["--cache_text_encoder_outputs_to_disk"], "add --network_train_unet_only"),
-    (["--weighted_captions"], "--weighted_captions is not implemented for SDXL"),
+    (["--dataset_class", "x.Data"], "--dataset_class is not implemented for SDXL"),
 ])
 def test_sdxl_refusals(argv, match):
     cfg, _ = parse_args(BASE + argv, "sdxl")

@@ -71,7 +71,8 @@ def test_steps_of_32_refused_for_sd(tmp_path):
         build_train_data(cfg.data, seed=3)
 
 
-def _cache(data, encoded: list[list[str]], to_disk: bool = True, encoder_id: str = "te-a", mtl=None):
+def _cache(data, encoded: list[list[str]], to_disk: bool = True, encoder_id: str = "te-a", mtl=None,
+           weighted: bool = False):
     def encode(captions):
         encoded.append(list(captions))
         n = len(captions)
@@ -79,7 +80,7 @@ def _cache(data, encoded: list[list[str]], to_disk: bool = True, encoder_id: str
                 "pool2": torch.randn(n, 6)}
 
     data.cache_text_encoder_outputs(encode, to_disk=to_disk, encoder_id=encoder_id, max_token_length=mtl,
-                                    names=NAMES, batch_size=2)
+                                    names=NAMES, batch_size=2, weighted=weighted)
 
 
 def test_text_output_cache_reuse_and_invalidation(tmp_path):
@@ -101,6 +102,9 @@ def test_text_output_cache_reuse_and_invalidation(tmp_path):
     encoded.clear()
     _cache(_train_data(root), encoded, encoder_id="te-b", mtl=225)
     assert len([c for batch in encoded for c in batch]) == 3  # another --max_token_length: all rebuilt
+    encoded.clear()
+    _cache(_train_data(root), encoded, encoder_id="te-b", mtl=225, weighted=True)
+    assert len([c for batch in encoded for c in batch]) == 3  # --weighted_captions: all rebuilt
     with np.load(files[0]) as npz:
         assert set(NAMES) <= set(npz.files)
 
@@ -123,6 +127,17 @@ def test_changing_captions_cannot_be_cached(tmp_path, flag):
     data = _train_data(_data(tmp_path), flag, *value)
     with pytest.raises(UserError, match="text encoder outputs cannot be cached"):
         _cache(data, [])
+
+
+def test_validation_images_are_cached_too(tmp_path):
+    root = _data(tmp_path, sizes=((64, 64),) * 4)
+    data = _train_data(root, "--validation_split", "0.5")
+    encoded: list[list[str]] = []
+    _cache(data, encoded, to_disk=False)
+    assert sorted(c for batch in encoded for c in batch) == [f"thing number {n}" for n in range(4)]
+    data.validation.set_epoch(1)
+    batch = next(iter(data.validation.dataloader(0)))
+    assert "text_outputs" in batch
 
 
 def test_copied_dataset_keeps_nothing_stale(tmp_path):

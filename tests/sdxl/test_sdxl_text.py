@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from library.sdxl_models import build_builtin_sdxl
-from library.text_encoding_sdxl import encode_sdxl, tokenize_sdxl
+from library.text_encoding_sdxl import encode_sdxl, encode_sdxl_weighted, tokenize_sdxl
 
 CAPTIONS = ["a photo of a cat", "", " ".join(["red circle, blue square"] * 40)]
 
@@ -56,3 +56,22 @@ def test_chunks(model, mtl):
     _, first_only = _encode(model, CAPTIONS, None)
     # the short captions' first chunk is the 77-token encoding, so its pool is the one-chunk pool
     assert torch.allclose(cond.pool_2[:2], first_only.pool_2[:2], atol=1e-6)
+
+
+@pytest.mark.parametrize("mtl", [None, 150])
+def test_weighted_captions_scale_each_encoders_states(model, mtl):
+    """upstream ``encode_tokens_with_weights``: both hidden states times their tokens' weights (one chunk: every
+    position; chunks: positions i*75+1 .. i*75+75 times chunk i's weights without its BOS and last), the pool as
+    without weights. "a (cat:1.5) on [grass]" has the ids of "a cat on grass", one token a word; weights 1, 1.5, 1,
+    1/1.1 at positions 1-4."""
+    torch.manual_seed(0)
+    weighted = ["a (cat:1.5) on [grass]", "plain words"]
+    _, plain = _encode(model, ["a cat on grass", "plain words"], mtl)
+    with torch.no_grad():
+        cond = encode_sdxl_weighted(model, weighted, torch.device("cpu"), mtl)
+    scale = torch.ones(2, plain.hidden_states_1.shape[1], 1)
+    scale[0, 2] = 1.5
+    scale[0, 4] = 1 / 1.1
+    torch.testing.assert_close(cond.hidden_states_1, plain.hidden_states_1 * scale)
+    torch.testing.assert_close(cond.hidden_states_2, plain.hidden_states_2 * scale)
+    torch.testing.assert_close(cond.pool_2, plain.pool_2, rtol=0, atol=0)

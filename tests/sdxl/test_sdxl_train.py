@@ -72,6 +72,25 @@ def test_cached_text_encoder_outputs_train_the_same_lora(tmp_path):
         torch.testing.assert_close(cached[key], live[key], rtol=0, atol=0)
 
 
+def test_weighted_captions_live_and_cached_alike(tmp_path):
+    """--weighted_captions for SDXL (upstream's ``encode_tokens_with_weights``, cached weighted as its ``is_weighted``
+    caching strategy): cached and live give the same LoRA, and the weights change it."""
+    data = tmp_path / "data"
+    shutil.copytree(SAMPLES, data)
+    for caption in (data / "10_shapes").glob("*.txt"):
+        text = caption.read_text().replace("shapes, a ", "(shapes:1.6), a [[")
+        caption.write_text(text.replace(", white", "]], white"))
+    common = ("--network_train_unet_only", "--max_train_steps", "1")
+    runs = {"live": ("--weighted_captions",), "cached": ("--weighted_captions", "--cache_text_encoder_outputs"),
+            "unweighted": ()}
+    for name, flags in runs.items():
+        assert train(sdxl_args(tmp_path / name, *common, *flags, data=data)) == 0
+    live, cached, unweighted = (load_file(tmp_path / name / "lora.safetensors") for name in runs)
+    for key in live:
+        torch.testing.assert_close(cached[key], live[key], rtol=0, atol=0)
+    assert any(not torch.equal(live[k], unweighted[k]) for k in live)
+
+
 def test_full_bf16_from_disk_cache_and_exact_resume(tmp_path):
     """Without gradient accumulation: the SR accumulator's rounding stream is not part of the saved state yet, so
     a resume with SR accumulation is not bit-exact (SD 1.x alike)."""
