@@ -59,6 +59,26 @@ class SDFamily:
                 dtype: torch.dtype) -> torch.Tensor:
         return model.unet(noisy, timesteps, cond.to(dtype)).sample
 
+    def sample_pipeline(self, model: Any, unet: torch.nn.Module) -> Any:
+        """The diffusers pipeline that draws sample images (``library/sampling.py``)."""
+        from diffusers import StableDiffusionPipeline
+
+        # No scheduler here: the constructor would rewrite its config (steps_offset, clip_sample); each image
+        # sets its own.
+        return StableDiffusionPipeline(
+            vae=model.vae, text_encoder=model.text_encoder, tokenizer=model.tokenizer, unet=unet, scheduler=None,
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+    def sample_conditioning(self, model: Any, prompt: str, negative: str | None, *, clip_skip: int | None,
+                            max_token_length: int | None, device: torch.device) -> dict[str, Any]:
+        """The pipeline's text inputs for a sample prompt (``negative`` None: no guidance), as sd-scripts' lpw
+        pipeline computes them (``library/prompt_weighting.py``); ``max_token_length`` does not apply."""
+        from library.prompt_weighting import prompt_embeddings
+
+        texts = [prompt] if negative is None else [prompt, negative]
+        embeds = prompt_embeddings(model.text_encoder, model.tokenizer, texts, clip_skip)
+        return {"prompt_embeds": embeds[0], "negative_prompt_embeds": embeds[1] if negative is not None else None}
+
 
 @dataclass(frozen=True)
 class SDXLFamily:
@@ -112,6 +132,31 @@ class SDXLFamily:
         time_ids = to_device(batch["size_conditions"], noisy.device).float()
         return model.unet(noisy, timesteps, cond.encoder_hidden_states().to(dtype),
                           added_cond_kwargs={"text_embeds": cond.pool_2.to(dtype), "time_ids": time_ids}).sample
+
+    def sample_pipeline(self, model: Any, unet: torch.nn.Module) -> Any:
+        """diffusers' SDXL pipeline; with the default size conditions (original and target size the image's, crop
+        0, 0) it gives the UNet sd-scripts' sample inputs (``SdxlStableDiffusionLongPromptWeightingPipeline``)."""
+        from diffusers import StableDiffusionXLPipeline
+
+        return StableDiffusionXLPipeline(
+            vae=model.vae, text_encoder=model.text_encoder, text_encoder_2=model.text_encoder_2,
+            tokenizer=model.tokenizer, tokenizer_2=model.tokenizer_2, unet=unet, scheduler=None,
+            force_zeros_for_empty_prompt=False, add_watermarker=False)
+
+    def sample_conditioning(self, model: Any, prompt: str, negative: str | None, *, clip_skip: int | None,
+                            max_token_length: int | None, device: torch.device) -> dict[str, Any]:
+        """sd-scripts' SDXL sample conditioning: the training text path with weights
+        (``text_encoding_sdxl.encode_sdxl_weighted``, ``--max_token_length`` long, no rescaling), prompt and
+        negative prompt (``--n``, empty when not given) each on its own; ``clip_skip`` does not apply."""
+        from library.text_encoding_sdxl import encode_sdxl_weighted
+
+        cond = encode_sdxl_weighted(model, [prompt], device, max_token_length)
+        out = {"prompt_embeds": cond.encoder_hidden_states(), "pooled_prompt_embeds": cond.pool_2}
+        if negative is not None:
+            uncond = encode_sdxl_weighted(model, [negative], device, max_token_length)
+            out |= {"negative_prompt_embeds": uncond.encoder_hidden_states(),
+                    "negative_pooled_prompt_embeds": uncond.pool_2}
+        return out
 
 
 FAMILIES = {"sd": SDFamily(), "sdxl": SDXLFamily()}

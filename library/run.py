@@ -200,7 +200,8 @@ def run(cfg: TrainConfig) -> RunResult | None:
                                    host_generator=host_generator)
             model_setup.compile_unet(model, cfg.precision)
             samples = make_sample_hooks(sample_plan if processes.is_main else None, model, network, policy, device,
-                                        Path(cfg.save.output_dir), cfg.save.output_name, tracker, cfg.model.clip_skip)
+                                        Path(cfg.save.output_dir), cfg.save.output_name, tracker, cfg.model.clip_skip,
+                                        family, cfg.model.max_token_length)
             validation = build_validation(data.validation, cfg.validation, batch_loss,
                                           (network, *family.text_encoders(model), model.unet),
                                           plan.max_train_steps)

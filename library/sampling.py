@@ -1,9 +1,10 @@
 """Sample images during training, drawn as sd-scripts' ``sample_images_common`` / ``sample_image_inference`` do.
 
-Each image: the LoRA at its current weights and multiplier, the text conditioning of
-``library/prompt_weighting.py`` (prompt weights, up to 225 tokens, ``--clip_skip``), a diffusers
-``StableDiffusionPipeline`` built from the loaded UNet, VAE, text encoder and tokenizer with the prompt's
-scheduler (``library/samplers.py``), the text encoder and UNet under the precision policy's autocast, and the
+Each image: the LoRA at its current weights and multiplier, the model family's text conditioning and diffusers
+pipeline (``library/model_family.py``: for SD 1.x/2.x ``library/prompt_weighting.py``, prompt weights, up to 225
+tokens, ``--clip_skip``, and ``StableDiffusionPipeline``; for SDXL sd-scripts' SDXL sample conditioning and
+``StableDiffusionXLPipeline``) built from the loaded UNet, VAE, text encoders and tokenizers with the prompt's
+scheduler (``library/samplers.py``), the text encoders and UNet under the precision policy's autocast, and the
 VAE decoding outside it in the VAE's dtype. The VAE is moved to the training device for the images and back
 afterwards (``--cache_latents`` keeps it on the CPU). Files: ``<output_dir>/sample/<output_name>_<n>_<NN>_
 <YYYYmmddHHMMSS>[_<seed>].png`` with ``n`` = ``e`` + the 6-digit epoch after an epoch (``e000000`` for the images
@@ -27,10 +28,10 @@ from pathlib import Path
 
 import torch
 
+from library.model_family import SDFamily, SDXLFamily
 from library.model_parts import SDModel
 from library.position import Position, SampleHooks
 from library.precision import PrecisionPolicy
-from library.prompt_weighting import prompt_embeddings
 from library.sample_prompts import SamplePlan, SamplePrompt
 from library.samplers import build_scheduler
 from library.tracking import Tracker
@@ -67,8 +68,11 @@ class SampleImages:
 
     def __init__(self, plan: SamplePlan, model: SDModel, network: torch.nn.Module, policy: PrecisionPolicy,
                  device: torch.device, folder: Path, output_name: str | None, tracker: Tracker,
-                 clip_skip: int | None) -> None:
+                 clip_skip: int | None, family: SDFamily | SDXLFamily = SDFamily(),
+                 max_token_length: int | None = None) -> None:
         self.plan = plan
+        self.family = family
+        self.max_token_length = max_token_length
         self.model = model
         self.network = network
         self.policy = policy
@@ -81,21 +85,15 @@ class SampleImages:
 
     def _pipeline(self):
         if self._pipe is None:
-            from diffusers import StableDiffusionPipeline
-
             unet = getattr(self.model.unet, "_orig_mod", self.model.unet)
-            # No scheduler here: the constructor would rewrite its config (steps_offset, clip_sample); each image
-            # sets its own.
-            self._pipe = StableDiffusionPipeline(
-                vae=self.model.vae, text_encoder=self.model.text_encoder, tokenizer=self.model.tokenizer, unet=unet,
-                scheduler=None, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+            self._pipe = self.family.sample_pipeline(self.model, unet)
             self._pipe.set_progress_bar_config(disable=True)
         return self._pipe
 
     @contextlib.contextmanager
     def _inference(self) -> Iterator[None]:
         """Eval mode, no gradients, the VAE on the device; afterwards every module's mode and the VAE's place back."""
-        roots = (self.network, self.model.unet, self.model.text_encoder)
+        roots = (self.network, self.model.unet, *self.family.text_encoders(self.model))
         modes = [(module, module.training) for root in roots for module in root.modules()]
         vae = self.model.vae
         vae_device = next(vae.parameters()).device
@@ -118,12 +116,11 @@ class SampleImages:
         pipe.scheduler = build_scheduler(prompt.sampler or self.plan.sampler,
                                          v_parameterization=self.model.v_parameterization)
         width, height = prompt.image_size()
-        guided = prompt.scale > 1.0
-        texts = [prompt.prompt, prompt.negative_prompt or ""] if guided else [prompt.prompt]
+        negative = (prompt.negative_prompt or "") if prompt.scale > 1.0 else None
         with self.policy.autocast(self.device):
-            embeds = prompt_embeddings(self.model.text_encoder, self.model.tokenizer, texts, self.clip_skip)
-            latents = pipe(prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1] if guided else None,
-                           height=height, width=width, num_inference_steps=prompt.steps,
+            text = self.family.sample_conditioning(self.model, prompt.prompt, negative, clip_skip=self.clip_skip,
+                                                   max_token_length=self.max_token_length, device=self.device)
+            latents = pipe(**text, height=height, width=width, num_inference_steps=prompt.steps,
                            guidance_scale=prompt.scale, generator=generator, output_type="latent").images
         return latents_to_image(self.model.vae, latents)
 
@@ -154,9 +151,11 @@ class SampleImages:
 
 def make_sample_hooks(plan: SamplePlan | None, model: SDModel, network: torch.nn.Module, policy: PrecisionPolicy,
                       device: torch.device, output_dir: Path, output_name: str | None, tracker: Tracker,
-                      clip_skip: int | None) -> SampleHooks:
+                      clip_skip: int | None, family: SDFamily | SDXLFamily = SDFamily(),
+                      max_token_length: int | None = None) -> SampleHooks:
     """The loop's sample hooks; with no plan they never fire and nothing is built."""
     if plan is None:
         return SampleHooks(None, None, False, lambda pos, epoch: None)
-    images = SampleImages(plan, model, network, policy, device, output_dir / "sample", output_name, tracker, clip_skip)
+    images = SampleImages(plan, model, network, policy, device, output_dir / "sample", output_name, tracker, clip_skip,
+                          family, max_token_length)
     return SampleHooks(plan.every_n_steps, plan.every_n_epochs, plan.at_first, images)

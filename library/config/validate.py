@@ -86,10 +86,9 @@ def _family_problems(cfg: TrainConfig) -> list[str]:
     if caching and not cfg.network.network_train_unet_only:
         problems.append("--cache_text_encoder_outputs: the text encoders' LoRA cannot train from cached outputs; "
                         "add --network_train_unet_only (as sd-scripts requires) or drop the caching flag")
-    for name, given in (("--dataset_class", cfg.data.dataset_class), ("--sample_prompts", cfg.sample.sample_prompts)):
-        if given:
-            problems.append(f"{name} is not implemented for SDXL here yet; remove it (it works with "
-                            "train_network.py for SD 1.x/2.x)")
+    if cfg.data.dataset_class:
+        problems.append("--dataset_class is not implemented for SDXL here yet; remove it (it works with "
+                        "train_network.py for SD 1.x/2.x)")
     return problems
 
 

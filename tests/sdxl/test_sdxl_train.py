@@ -124,3 +124,17 @@ def test_bucket_steps_of_32_are_accepted(tmp_path):
     assert train(sdxl_args(tmp_path / "xl", *bucketed, "--network_train_unet_only")) == 0
     sd = ["builtin:tiny-sd15" if a == "builtin:tiny-sdxl" else a for a in sdxl_args(tmp_path / "sd", *bucketed)]
     assert train_network.main(sd) == 2 and not (tmp_path / "sd").exists()
+
+
+def test_sample_images_leave_the_lora_bit_identical(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red (circle:1.2) --w 64 --h 96 --d 1 --s 2\na blue square --n red --d 2 --s 2 --l 4\n")
+    common = ("--network_dropout", "0.2", "--network_train_unet_only")
+    assert train(sdxl_args(tmp_path / "plain", *common)) == 0
+    assert train(sdxl_args(tmp_path / "sampled", *common, "--sample_prompts", str(prompts), "--sample_at_first",
+                           "--sample_every_n_steps", "1")) == 0
+    plain, sampled = (load_file(tmp_path / run / "lora.safetensors") for run in ("plain", "sampled"))
+    for key in plain:
+        assert torch.equal(plain[key], sampled[key]), key
+    names = sorted(p.name.split("_")[1:3] for p in (tmp_path / "sampled" / "sample").glob("*.png"))
+    assert names == [[when, index] for when in ("000001", "000002", "e000000") for index in ("00", "01")]
