@@ -2,7 +2,7 @@
 
 The trainer should import this module when the user names ``lycoris.kohya`` (``networks.NETWORK_MODULE_ALIASES``)
 and keep ``ss_network_module = "lycoris.kohya"`` in the metadata. It calls ``lycoris.kohya`` (package
-``lycoris-lora``) with the same arguments and fixes three things for SD1.x/2.x with diffusers / transformers 5:
+``lycoris-lora``) with the same arguments and fixes four things for diffusers / transformers 5:
 
 * **Text-encoder names.** LyCORIS names modules from ``named_modules()``; transformers 5's CLIPTextModel lost its
   ``text_model`` submodule, so LyCORIS would write ``lora_te_encoder_layers_...``, which diffusers, ComfyUI and A1111
@@ -15,9 +15,12 @@ and keep ``ss_network_module = "lycoris.kohya"`` in the metadata. It calls ``lyc
   (the two layers stay targeted by name).
 * **Saving** goes through ``networks.lora.save_weights_file``: atomic, with sd-scripts' ``sshs_model_hash`` and
   ``sshs_legacy_hash`` (LyCORIS writes a different model hash and no legacy hash).
-
-SDXL is refused for now (``_refuse_sdxl``): LyCORIS would name the U-Net modules by diffusers' paths instead of the
-original layout every SDXL tool expects, and CLIP-L's without ``text_model``.
+* **SDXL U-Net names.** sd-scripts' SDXL U-Net is its own class in the original (SGM) layout, so LyCORIS there names
+  and selects layers by that tree (``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``; presets' class
+  targets such as ``CrossAttention`` and name targets such as ``conv_in`` matched against it). The diffusers U-Net
+  is handed to LyCORIS as ``networks.sdxl_layout.original_layout_view``, the same layers in that tree, so the
+  module set and names are upstream's; files load back the same way. Both text encoders go in as a list
+  (``lora_te1_``, ``lora_te2_``).
 
 Dropouts: ``neuron_dropout`` (``--network_dropout``) becomes LyCORIS's ``dropout`` unless network_args give one, as
 sd-scripts' trainer does; ``dropout``, ``rank_dropout`` and ``module_dropout`` must be probabilities in [0, 1).
@@ -52,6 +55,7 @@ from library.errors import UserError
 from networks.args import parse_probability
 from networks.families import is_sdxl_unet
 from networks.lora import cast_for_saving, save_weights_file
+from networks.sdxl_layout import original_layout_view
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +139,6 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
                    text_encoder: Any, unet: Any, neuron_dropout: float | None = None,
                    **kwargs: Any) -> KohyaLycorisNetwork:
     """``lycoris.kohya.create_network`` with kohya text-encoder names and sd-scripts' save format."""
-    _refuse_sdxl(unet)
     if kwargs.get("dropout") is None and neuron_dropout is not None:
         kwargs["dropout"] = neuron_dropout
     for key in ("dropout", "rank_dropout", "module_dropout"):
@@ -144,7 +147,7 @@ def create_network(multiplier: float, network_dim: int | None, network_alpha: fl
     try:
         with _without_duplicate_targets():
             network = kohya.create_network(multiplier, network_dim, network_alpha, vae,
-                                           _text_encoder_view(text_encoder), unet, **kwargs)
+                                           _text_encoder_view(text_encoder), _unet_view(unet), **kwargs)
     except (AssertionError, ValueError) as exc:
         given = " ".join(f"{k}={v}" for k, v in kwargs.items())
         raise UserError(f"--network_module lycoris.kohya --network_dim {network_dim} --network_args {given}: "
@@ -158,18 +161,15 @@ def create_network_from_weights(multiplier: float, file: str | os.PathLike[str] 
                                 unet: Any, weights_sd: Mapping[str, torch.Tensor] | None = None,
                                 for_inference: bool = False, **kwargs: Any) -> tuple[KohyaLycorisNetwork, Any]:
     """``lycoris.kohya.create_network_from_weights`` (algorithm, rank and alpha read from the file)."""
-    _refuse_sdxl(unet)
     with _without_duplicate_targets():
         network, weights = kohya.create_network_from_weights(
-            multiplier, None if file is None else os.fspath(file), vae, _text_encoder_view(text_encoder), unet,
+            multiplier, None if file is None else os.fspath(file), vae, _text_encoder_view(text_encoder),
+            _unet_view(unet),
             weights_sd=weights_sd, for_inference=for_inference, **kwargs,
         )
     network.__class__ = KohyaLycorisNetwork
     return network, weights
 
 
-def _refuse_sdxl(unet: Any) -> None:
-    if is_sdxl_unet(unet):
-        raise UserError("--network_module lycoris.kohya is not supported for SDXL here yet (its files would not carry "
-                        "the original-layout names SDXL tools expect); use networks.lora, with network_args "
-                        "conv_dim=N for LoCon")
+def _unet_view(unet: Any) -> Any:
+    return original_layout_view(unet) if is_sdxl_unet(unet) else unet

@@ -128,10 +128,3 @@ def test_diffusers_loads_every_key(tiny_sdxl_dir, tmp_path):
                 for part in ("unet", "text_encoder", "text_encoder_2")}
     assert adapters == {"unet": len(net.unet_loras), "text_encoder": 72, "text_encoder_2": 192}
     assert not torch.allclose(latents(), before)
-
-
-def test_lycoris_is_refused_for_sdxl(tiny):
-    from networks import lycoris_adapter
-
-    with pytest.raises(UserError, match="networks.lora"):
-        lycoris_adapter.create_network(1.0, 4, 1, tiny.vae, tiny.text_encoders, tiny.unet, algo="locon")

@@ -28,7 +28,8 @@ def model():
 def _plain(model, captions):
     ids = tokenize_sdxl((model.tokenizer, model.tokenizer_2), captions, None)
     with torch.no_grad():
-        return encode_sdxl(model.text_encoders, ids, max_token_length=None, eos_token_id=model.tokenizer_2.eos_token_id)
+        return encode_sdxl(model.text_encoders, ids, max_token_length=None,
+                           eos_token_id=model.tokenizer_2.eos_token_id)
 
 
 def test_unet_gets_upstreams_sample_inputs(model, tmp_path):
