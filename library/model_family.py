@@ -96,7 +96,8 @@ class SDXLFamily:
         from library.sdxl_models import load_sdxl_model
 
         return load_sdxl_model(cfg.pretrained_model_name_or_path, vae=cfg.vae,
-                               disable_mmap=sdxl.disable_mmap_load_safetensors, random_dtype=dtype)
+                               disable_mmap=sdxl.disable_mmap_load_safetensors, random_dtype=dtype,
+                               v_parameterization=cfg.v_parameterization)
 
     def text_encoders(self, model: Any) -> list[torch.nn.Module]:
         return [model.text_encoder, model.text_encoder_2]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from library.errors import UserError
-from library.model_parts import config_dir, force_offline, seeded
+from library.model_parts import build_noise_scheduler, config_dir, force_offline, seeded
 from library.sdxl_parts import SDXLModel, assemble_sdxl, build_sdxl_from_config
 
 if TYPE_CHECKING:
@@ -71,12 +71,14 @@ def _load_diffusers_folder(path: Path) -> SDXLModel:
 
 
 def load_sdxl_model(path: str, *, vae: str | None = None, disable_mmap: bool = False,
-                    random_dtype: torch.dtype | None = None) -> SDXLModel:
+                    random_dtype: torch.dtype | None = None, v_parameterization: bool = False) -> SDXLModel:
     """Load an SDXL model for LoRA training, offline (fp32, as upstream; the precision policy casts later).
 
     ``vae`` replaces the VAE (``--vae``); ``disable_mmap`` reads a single file into memory in one go instead of
     memory-mapping it (``--disable_mmap_load_safetensors``). ``builtin:sdxl-random`` is created directly in
-    ``random_dtype`` (the frozen weight dtype): its random weights need no fp32 copy.
+    ``random_dtype`` (the frozen weight dtype): its random weights need no fp32 copy. ``v_parameterization``
+    (``--v_parameterization``, v-prediction SDXL models such as NoobAI-XL v-pred): the model predicts velocity and
+    the training scheduler says so, as sd-scripts' shared ``train_network.py`` loss for SDXL.
     """
     from library import sdxl_single_file
     from library.models import replace_vae
@@ -103,4 +105,6 @@ def load_sdxl_model(path: str, *, vae: str | None = None, disable_mmap: bool = F
                             f"downloaded: give a local copy); accepted: {SDXL_ACCEPTED_FORMS}")
     if vae is not None:
         replace_vae(model, vae)
+    model.v_parameterization = v_parameterization
+    model.noise_scheduler = build_noise_scheduler(v_parameterization)
     return model

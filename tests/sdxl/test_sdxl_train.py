@@ -138,3 +138,21 @@ def test_sample_images_leave_the_lora_bit_identical(tmp_path):
         assert torch.equal(plain[key], sampled[key]), key
     names = sorted(p.name.split("_")[1:3] for p in (tmp_path / "sampled" / "sample").glob("*.png"))
     assert names == [[when, index] for when in ("000001", "000002", "e000000") for index in ("00", "01")]
+
+
+def test_v_parameterization_trains_a_v_prediction_model(tmp_path):
+    """sd-scripts' SDXL trainer shares train_network.py's loss, so ``--v_parameterization`` (v-prediction SDXL models
+    such as NoobAI-XL v-pred) trains against the velocity; the same seed with epsilon gives another LoRA."""
+    from library.config import ModelConfig, SDXLConfig
+    from library.model_family import model_family
+
+    cfg = ModelConfig(pretrained_model_name_or_path="builtin:tiny-sdxl", v_parameterization=True)
+    model = model_family("sdxl").load(cfg, SDXLConfig(), torch.float32)
+    assert model.v_parameterization and model.noise_scheduler.config.prediction_type == "v_prediction"
+    common = ("--network_train_unet_only", "--max_train_steps", "1")
+    assert train(sdxl_args(tmp_path / "v", *common, "--v_parameterization", "--zero_terminal_snr")) == 0
+    assert train(sdxl_args(tmp_path / "eps", *common)) == 0
+    v, eps = (load_file(tmp_path / run / "lora.safetensors") for run in ("v", "eps"))
+    assert any(not torch.equal(v[k], eps[k]) for k in v)
+    with safe_open(str(tmp_path / "v" / "lora.safetensors"), "pt") as f:
+        assert f.metadata()["modelspec.prediction_type"] == "v"  # upstream build_metadata: PRED_TYPE_V
