@@ -275,14 +275,17 @@ class TrainData:
 
     def cache_text_encoder_outputs(self, encode: Callable[[list[str]], dict[str, torch.Tensor]], *, to_disk: bool,
                                    encoder_id: str, max_token_length: int | None, names: tuple[str, ...],
-                                   batch_size: int, weighted: bool = False) -> None:
+                                   batch_size: int, weighted: bool = False, share: Callable[[int], bool] | None = None,
+                                   wait: Callable[[], None] = lambda: None) -> None:
         """Encode every image's caption once (SDXL ``--cache_text_encoder_outputs``); keep the outputs in RAM or in
         ``<image>_te_outputs.npz`` (see ``text_cache``; still-valid files are reused without encoding). The
         validation images are cached alike (sd-scripts caches its validation dataset group too).
 
         ``encode`` maps captions to a dict of [B, ...] tensors named ``names``. Captions must be the same every
         step: a subset with shuffle_caption, caption or tag dropout, token warm-up or wildcards is refused, as
-        sd-scripts refuses the first four (``is_text_encoder_output_cacheable``).
+        sd-scripts refuses the first four (``is_text_encoder_output_cacheable``). Several processes (``share``,
+        with ``to_disk``): split as the latent cache (``cache_latents``), as sd-scripts'
+        ``new_cache_text_encoder_outputs`` does.
         """
         changing = sorted({info.spec.location for ds in self.datasets for info in ds.subsets
                            if _caption_changes(info.spec)})
@@ -292,33 +295,61 @@ class TrainData:
                               "every step, so text encoder outputs cannot be cached; turn them off or drop "
                               "--cache_text_encoder_outputs" for loc in changing))
         self.text_outputs.names = names
-        pending: list[tuple[int, int, str, str]] = []
-        for d, ds in enumerate(self.datasets):
-            for i, item in enumerate(ds.items):
-                sub = ds.subsets[item.subset_index].spec
-                caption = process_caption(item.caption, sub, random.Random(0), CaptionState())
-                key = text_cache.cache_key(caption, max_token_length, encoder_id, weighted)
-                if to_disk and text_cache.is_valid(text_cache.npz_path(item.path), key, names):
-                    self.text_outputs.disk[(d, i)] = str(text_cache.npz_path(item.path))
-                    continue
-                pending.append((d, i, caption, key))
-        logger.info("caching text encoder outputs: %d to encode, %d reused from disk", len(pending),
-                    len(self.text_outputs.disk))
-        for start in range(0, len(pending), batch_size):
-            jobs = pending[start:start + batch_size]
-            outputs = encode([caption for _, _, caption, _ in jobs])
-            for n, (d, i, _, key) in enumerate(jobs):
-                one = {name: outputs[name][n].clone() for name in names}
-                if to_disk:
-                    path = text_cache.npz_path(self.datasets[d].items[i].path)
-                    text_cache.write(path, one, key)
-                    self.text_outputs.disk[(d, i)] = str(path)
-                else:
-                    self.text_outputs.ram[(d, i)] = one
+        sharded = to_disk and share is not None
+        key = (max_token_length, encoder_id, weighted)
+        pending = self._text_pending(to_disk, key, share if sharded else None)
+        logger.info("caching text encoder outputs: %d to encode, %d reused from disk%s", len(pending),
+                    len(self.text_outputs.disk), " (this process's share)" if sharded else "")
+        self._encode_text(encode, pending, batch_size, to_disk)
+        if sharded:
+            wait()
+            missing = self._text_pending(to_disk, key, None)
+            if missing:
+                logger.info("caching text encoder outputs: %d caption(s) of other processes have no usable cache "
+                            "file here; encoding them (is the dataset folder not shared between the machines?)",
+                            len(missing))
+            self._encode_text(encode, missing, batch_size, to_disk)
         if self.validation is not None:
             self.validation.cache_text_encoder_outputs(encode, to_disk=to_disk, encoder_id=encoder_id,
                                                        max_token_length=max_token_length, names=names,
-                                                       batch_size=batch_size, weighted=weighted)
+                                                       batch_size=batch_size, weighted=weighted, share=share,
+                                                       wait=wait)
+
+    def _text_pending(self, to_disk: bool, key: tuple[int | None, str, bool],
+                      share: Callable[[int], bool] | None) -> list[tuple[int, int, str, str]]:
+        """The captions to encode as (dataset, item, caption, cache key); valid disk caches are taken instead. With
+        ``share`` only the images it selects (by index over all datasets) are looked at."""
+        names = self.text_outputs.names
+        pending = []
+        index = -1
+        for d, ds in enumerate(self.datasets):
+            for i, item in enumerate(ds.items):
+                index += 1
+                if (share is not None and not share(index)) or (d, i) in self.text_outputs.disk:
+                    continue
+                sub = ds.subsets[item.subset_index].spec
+                caption = process_caption(item.caption, sub, random.Random(0), CaptionState())
+                cache_key = text_cache.cache_key(caption, *key)
+                if to_disk and text_cache.is_valid(text_cache.npz_path(item.path), cache_key, names):
+                    self.text_outputs.disk[(d, i)] = str(text_cache.npz_path(item.path))
+                    continue
+                pending.append((d, i, caption, cache_key))
+        return pending
+
+    def _encode_text(self, encode: Callable[[list[str]], dict[str, torch.Tensor]],
+                     pending: list[tuple[int, int, str, str]], batch_size: int, to_disk: bool) -> None:
+        names = self.text_outputs.names
+        for start in range(0, len(pending), batch_size):
+            jobs = pending[start:start + batch_size]
+            outputs = encode([caption for _, _, caption, _ in jobs])
+            for n, (d, i, _, cache_key) in enumerate(jobs):
+                one = {name: outputs[name][n].clone() for name in names}
+                if to_disk:
+                    path = text_cache.npz_path(self.datasets[d].items[i].path)
+                    text_cache.write(path, one, cache_key)
+                    self.text_outputs.disk[(d, i)] = str(path)
+                else:
+                    self.text_outputs.ram[(d, i)] = one
 
 
 def _caption_changes(sub: SubsetSpec) -> bool:

@@ -72,7 +72,7 @@ def test_steps_of_32_refused_for_sd(tmp_path):
 
 
 def _cache(data, encoded: list[list[str]], to_disk: bool = True, encoder_id: str = "te-a", mtl=None,
-           weighted: bool = False):
+           weighted: bool = False, **sharing):
     def encode(captions):
         encoded.append(list(captions))
         n = len(captions)
@@ -80,7 +80,7 @@ def _cache(data, encoded: list[list[str]], to_disk: bool = True, encoder_id: str
                 "pool2": torch.randn(n, 6)}
 
     data.cache_text_encoder_outputs(encode, to_disk=to_disk, encoder_id=encoder_id, max_token_length=mtl,
-                                    names=NAMES, batch_size=2, weighted=weighted)
+                                    names=NAMES, batch_size=2, weighted=weighted, **sharing)
 
 
 def test_text_output_cache_reuse_and_invalidation(tmp_path):
@@ -127,6 +127,26 @@ def test_changing_captions_cannot_be_cached(tmp_path, flag):
     data = _train_data(_data(tmp_path), flag, *value)
     with pytest.raises(UserError, match="text encoder outputs cannot be cached"):
         _cache(data, [])
+
+
+def test_disk_cache_split_between_processes(tmp_path):
+    """As the latent cache and sd-scripts' ``new_cache_text_encoder_outputs``: process r of 2 encodes the images
+    whose index % 2 == r, waits at the barrier, then reads the other's files (here the barrier runs the other
+    process's caching); a file still missing after the barrier is encoded too."""
+    root = _data(tmp_path, sizes=((64, 64),) * 4)
+    first: list[list[str]] = []
+    second: list[list[str]] = []
+
+    def other_process():
+        _cache(_train_data(root), second, share=lambda index: index % 2 == 1)
+
+    _cache(_train_data(root), first, share=lambda index: index % 2 == 0, wait=other_process)
+    assert sorted(c for batch in first for c in batch) == ["thing number 0", "thing number 2"]
+    assert sorted(c for batch in second for c in batch) == ["thing number 1", "thing number 3"]
+    (root / "2_things" / "img3_te_outputs.npz").unlink()
+    alone: list[list[str]] = []
+    _cache(_train_data(root), alone, share=lambda index: index % 2 == 0)
+    assert alone == [["thing number 3"]]
 
 
 def test_validation_images_are_cached_too(tmp_path):
