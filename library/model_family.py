@@ -25,6 +25,7 @@ class SDFamily:
     name: str = "sd"
     caches_text_outputs: bool = False
     bucket_step: int = 64  # sd-scripts' verify_bucket_reso_steps(64) in train_network.py
+    latent_suffix: str = "_sd"  # SdSdxlLatentsCachingStrategy.SD_LATENTS_NPZ_SUFFIX
 
     def load(self, cfg: ModelConfig, sdxl: SDXLConfig, dtype: torch.dtype, file_device: str = "cpu") -> Any:
         """The model in fp32 (``dtype``, the frozen weight dtype, is for built-ins that can be made in it; a single
@@ -88,6 +89,7 @@ class SDXLFamily:
     name: str = "sdxl"
     caches_text_outputs: bool = True
     bucket_step: int = 32  # SdxlNetworkTrainer.assert_extra_args: verify_bucket_reso_steps(32)
+    latent_suffix: str = "_sdxl"  # SdSdxlLatentsCachingStrategy.SDXL_LATENTS_NPZ_SUFFIX
     cache_names: tuple[str, ...] = ("hidden_state1", "hidden_state2", "pool2")  # upstream's npz keys
 
     def load(self, cfg: ModelConfig, sdxl: SDXLConfig, dtype: torch.dtype, file_device: str = "cpu") -> Any:

@@ -161,12 +161,14 @@ def module_id(*modules: torch.nn.Module) -> str:
 
 def cache_text_encoder_outputs(data, model, family: SDXLFamily, policy: PrecisionPolicy, device: torch.device,
                                sdxl: SDXLConfig, max_token_length: int | None, batch_size: int,
-                               weighted: bool = False) -> None:
+                               weighted: bool = False, share: Callable[[int], bool] | None = None,
+                               wait: Callable[[], None] = lambda: None) -> None:
     """``--cache_text_encoder_outputs``: encode every caption once with the frozen text encoders (in RAM, or in
     ``<image>_te_outputs.npz`` with ``--cache_text_encoder_outputs_to_disk``), the held-out validation images' too,
     then move the encoders to the CPU, as sd-scripts does; the network must train the UNet only (checked before
     loading). With ``weighted`` (``--weighted_captions``) the weighted outputs are cached, as sd-scripts'
-    ``is_weighted`` caching strategy."""
+    ``is_weighted`` caching strategy. ``share`` and ``wait`` split a disk cache between processes
+    (``TrainData.cache_text_encoder_outputs``)."""
     text_encoders = family.text_encoders(model)
 
     @torch.no_grad()
@@ -178,7 +180,8 @@ def cache_text_encoder_outputs(data, model, family: SDXLFamily, policy: Precisio
 
     data.cache_text_encoder_outputs(encode, to_disk=sdxl.cache_text_encoder_outputs_to_disk,
                                     encoder_id=module_id(*text_encoders), max_token_length=max_token_length,
-                                    names=family.cache_names, batch_size=batch_size, weighted=weighted)
+                                    names=family.cache_names, batch_size=batch_size, weighted=weighted,
+                                    share=share, wait=wait)
     for text_encoder in text_encoders:
         text_encoder.to("cpu")
 

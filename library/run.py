@@ -97,7 +97,8 @@ def run(cfg: TrainConfig) -> RunResult | None:
         seed = processes.decide_seed(seed)
         family = model_family(cfg.family)
         data = build_train_data(cfg.data, seed=seed, max_token_length=cfg.model.max_token_length,
-                                masked_loss=cfg.loss.masked_loss, v2=cfg.model.v2, bucket_step=family.bucket_step)
+                                masked_loss=cfg.loss.masked_loss, v2=cfg.model.v2, bucket_step=family.bucket_step,
+                                latent_suffix=family.latent_suffix)
         data.shard(processes.shard)
         plan = plan_steps(len(data), batch_size=cfg.data.train_batch_size,
                           gradient_accumulation_steps=cfg.schedule.gradient_accumulation_steps,
@@ -149,7 +150,8 @@ def run(cfg: TrainConfig) -> RunResult | None:
             if cfg.sdxl.cache_text_encoder_outputs or cfg.sdxl.cache_text_encoder_outputs_to_disk:
                 model_setup.cache_text_encoder_outputs(data, model, family, policy, device, cfg.sdxl,
                                                        cfg.model.max_token_length, cfg.data.train_batch_size,
-                                                       cfg.model.weighted_captions)
+                                                       cfg.model.weighted_captions, share=processes.owns_item,
+                                                       wait=processes.sync)
             groups, descriptions = network_setup.param_groups(network, cfg.optimizer)
             optimizer = optimizer_setup.build_optimizer(choice, groups, cfg.optimizer.learning_rate)
             scheduler = optimizer_setup.build_scheduler(optimizer, lr_schedule)

@@ -3,9 +3,10 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_driver.py PLAN.json OUT
 
-``PLAN.json`` lists runs ``{"name", "args", "inject"}``. For each run every process writes ``OUT/<name>/rank<r>.json``
-(exit code, the lines it printed on stderr, which updates were applied) and ``rank<r>.safetensors`` (its network's
-weights at the end). One process group (made here, adopted by ``library/distributed.py``) serves all runs.
+``PLAN.json`` lists runs ``{"name", "args", "inject"}`` (``"family": "sdxl"``: ``sdxl_train_network.py``). For each
+run every process writes ``OUT/<name>/rank<r>.json`` (exit code, the lines it printed on stderr, which updates were
+applied) and ``rank<r>.safetensors`` (its network's weights at the end). One process group (made here, adopted by
+``library/distributed.py``) serves all runs.
 
 Injections (``inject``): ``{"rank": r, "calls": [i, ...], "what": "nan" | "user_error" | "sigterm"}`` makes the
 ``i``-th loss computation (0-based, counted per process and run) of process ``r`` return NaN, raise a UserError, or
@@ -118,7 +119,7 @@ def patched(inject: dict, recorder: Recorder):
         library.step.sample_timesteps = originals["sample_timesteps"]
 
 
-def run_one(args: list[str], inject: dict, out: Path, rank: int) -> None:
+def run_one(args: list[str], inject: dict, out: Path, rank: int, family: str = "sd") -> None:
     """One ``train_network.main`` run; writes what this process saw."""
     import pytest
     from safetensors.torch import save_file
@@ -134,7 +135,7 @@ def run_one(args: list[str], inject: dict, out: Path, rank: int) -> None:
             record = {"micro_syncs": micro, "window_syncs": windows}
         stack.enter_context(patched(inject, recorder))
         stack.enter_context(contextlib.redirect_stderr(stderr))
-        code = train_network.main(args)
+        code = train_network.main(args, family=family)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"exit": code, "stderr": stderr.getvalue().splitlines(),
                                                       "applied": recorder.applied, **record}))
@@ -151,7 +152,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     plan, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     for item in plan:
-        run_one(item["args"], item.get("inject", {}), out / item["name"], dist.get_rank())
+        run_one(item["args"], item.get("inject", {}), out / item["name"], dist.get_rank(), item.get("family", "sd"))
     dist.destroy_process_group()
 
 

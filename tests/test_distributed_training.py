@@ -52,10 +52,21 @@ def two_images(root: Path) -> Path:
     return root / "two"
 
 
+def sdxl(args: list[str]) -> list[str]:
+    """The same run for ``sdxl_train_network.py`` on the tiny SDXL."""
+    return ["builtin:tiny-sdxl" if arg == "builtin:tiny-sd15" else arg for arg in args]
+
+
+SDXL_CACHED = (*FULL_BF16, "--optimizer_type", "StochasticAdamW", "--network_train_unet_only",
+               "--cache_latents_to_disk", "--cache_text_encoder_outputs_to_disk", "--max_train_steps", "2")
+
+
 def plan(root: Path, two: Path) -> list[dict]:
     out = root / "runs"
     cached = root / "cached"
     shutil.copytree(SAMPLES, cached)  # the disk cache is written beside the images
+    sdxl_cached = root / "sdxl_cached"
+    shutil.copytree(SAMPLES, sdxl_cached)
     prompts = root / "prompts.txt"
     prompts.write_text("a red square --w 64 --h 64 --d 1 --s 2\n", encoding="utf-8")
     runs = [
@@ -85,7 +96,13 @@ def plan(root: Path, two: Path) -> list[dict]:
                                        str(prompts), "--sample_every_n_steps", "1", "--validation_split", "0.25",
                                        "--validate_every_n_steps", "1", "--logging_dir", str(root / "logs")), {}),
     ]
-    return [{"name": name, "args": args, "inject": inject} for name, args, inject in runs]
+    sdxl_runs = [
+        ("sdxl_equivalence", sdxl(train_args(out / "sdxl_equivalence", *EQUIVALENCE, "--train_batch_size", "1",
+                                             data=two)), {"noise_by_image": True}),
+        ("sdxl_cached", sdxl(train_args(out / "sdxl_cached", *SDXL_CACHED, data=sdxl_cached)), {}),
+    ]
+    return ([{"name": name, "args": args, "inject": inject} for name, args, inject in runs]
+            + [{"name": name, "args": args, "inject": inject, "family": "sdxl"} for name, args, inject in sdxl_runs])
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +151,8 @@ def test_two_processes_of_one_image_equal_one_process_of_two(runs, tmp_path):
     assert worst < 1e-6, f"largest difference {worst:.2e} (moved up to {moved:.2e})"
 
 
-@pytest.mark.parametrize("name", ["fp32", "bf16", "bf16_resumed", "nan_skip", "equivalence"])
+@pytest.mark.parametrize("name", ["fp32", "bf16", "bf16_resumed", "nan_skip", "equivalence", "sdxl_equivalence",
+                                  "sdxl_cached"])
 def test_every_process_ends_with_bit_identical_weights(runs, name):
     first, second = replicas(runs, name)
     assert first.keys() == second.keys()
@@ -244,6 +262,31 @@ def test_the_disk_latent_cache_is_shared_out_between_the_processes(runs):
     assert "caching latents: 4 to encode, 0 reused from disk (this process's share)" in runs["log"]
     first, second = replicas(runs, "disk_cache")
     assert not [k for k in first if not torch.equal(first[k], second[k])]
+
+
+def test_sdxl_two_processes_of_one_image_equal_one_process_accumulating_two(runs, tmp_path):
+    """sdxl_train_network.py under torchrun behaves as train_network.py (the equivalence case above)."""
+    accumulating = tmp_path / "accumulating"
+    with ddp_driver.patched({"noise_by_image": True, "losses_per_epoch": 2}, ddp_driver.Recorder()):
+        assert train_network.main(sdxl(train_args(accumulating, *EQUIVALENCE, "--train_batch_size", "1",
+                                                  "--gradient_accumulation_steps", "2", data=runs["two"])),
+                                  family="sdxl") == 0
+    for step in ("lora-step00000001", "lora-step00000002", "lora"):
+        a = load_file(runs["out"] / "sdxl_equivalence" / f"{step}.safetensors")
+        b = load_file(accumulating / f"{step}.safetensors")
+        assert a.keys() == b.keys() and not [k for k in a if not torch.equal(a[k], b[k])], step
+    assert any(k.startswith("lora_unet_input_blocks_") for k in a)
+
+
+def test_sdxl_disk_caches_are_shared_out_and_written_once(runs):
+    main, other = recorded(runs, "sdxl_cached")
+    assert (main["exit"], other["exit"]) == (0, 0)
+    folder = runs["root"] / "sdxl_cached" / "10_shapes"
+    images = sorted(folder.glob("*.png"))
+    assert len(list(folder.glob("*_te_outputs.npz"))) == len(list(folder.glob("*_sdxl.npz"))) == len(images) == 8
+    # sd-scripts' rule for both caches: image i is encoded by process i mod 2
+    assert "caching text encoder outputs: 4 to encode, 0 reused from disk (this process's share)" in runs["log"]
+    assert sorted(p.name for p in (runs["out"] / "sdxl_cached").iterdir()) == ["lora.safetensors"]
 
 
 def test_sample_images_and_logs_are_written_once_and_validation_agrees(runs):

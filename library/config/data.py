@@ -55,7 +55,8 @@ class DataConfig:
                                                 "compatibility: they always stay alive here (with workers > 0)")
     skip_broken_images: bool = flag(False, "skip images that fail to decode (default: stop and name the file)")
     cache_latents: bool = flag(False, "encode every image with the VAE once and keep the latents in RAM")
-    cache_latents_to_disk: bool = flag(False, "cache latents in <image>_<W>x<H>_sd.npz (implies --cache_latents)")
+    cache_latents_to_disk: bool = flag(
+        False, "cache latents in <image>_<W>x<H>_sd.npz, for SDXL _sdxl.npz (implies --cache_latents)")
     vae_batch_size: int = flag(1, "VAE batch size when caching latents")
     skip_cache_check: bool = flag(
         False, "trust existing latent cache files (--cache_latents_to_disk) without opening them, as sd-scripts; "

@@ -47,8 +47,9 @@ class TrainData:
     """
 
     def __init__(self, group: DatasetGroupSpec, datasets: list[PreparedDataset], data: DataConfig, seed: int,
-                 validation: TrainData | None = None) -> None:
+                 validation: TrainData | None = None, latent_suffix: str = "_sd") -> None:
         self.group = group
+        self.latent_suffix = latent_suffix
         self.datasets = datasets
         self.data = data
         self.seed = seed
@@ -218,7 +219,7 @@ class TrainData:
                 sub = ds.subsets[item.subset_index].spec
                 key = ""
                 if to_disk:
-                    path = latent_cache.npz_path(item.path, item.size)
+                    path = latent_cache.npz_path(item.path, item.size, self.latent_suffix)
                     if self.data.skip_cache_check and latent_cache.exists(path):
                         self.latents.disk[(d, i)] = str(path)
                         reused += 1
@@ -260,7 +261,7 @@ class TrainData:
         for n, (d, i, _, item, key) in enumerate(items):
             mirrored = flipped[n].clone() if flipped is not None else None
             if to_disk:
-                path = latent_cache.npz_path(item.path, item.size)
+                path = latent_cache.npz_path(item.path, item.size, self.latent_suffix)
                 try:
                     latent_cache.write(path, latents[n], item.size, crop_ltrb(item.choice.bucket, item.size),
                                        mirrored, key, masks[n])
@@ -364,7 +365,7 @@ def _mask_note(sub: SubsetSpec) -> str:
 
 
 def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | None = None, masked_loss: bool = False,
-                     v2: bool = False, bucket_step: int = 64):
+                     v2: bool = False, bucket_step: int = 64, latent_suffix: str = "_sd"):
     """Scan and validate the datasets of a run (all problems in one UserError); no model needed. The images a
     ``validation_split`` holds out are in ``.validation`` (``library/data/split.py``; the batch order and every
     random choice of their batches are keyed by ``--validation_seed``, else ``seed``).
@@ -373,7 +374,8 @@ def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | Non
     requires some mask source. Returns ``TrainData``, or with ``--dataset_class`` the adapter of the user's class
     (``library/data/custom.py``), which is constructed with ``max_token_length`` and the tokenizer of the model
     family (``v2``). The trainer's own datasets return captions as text, tokenized by the trainer, so these two do
-    not change them. ``bucket_step``: the model family's multiple for ``bucket_reso_steps`` (64; SDXL 32).
+    not change them. ``bucket_step``: the model family's multiple for ``bucket_reso_steps`` (64; SDXL 32);
+    ``latent_suffix``: its latent cache file suffix (``latent_cache.npz_path``).
     """
     if data.persistent_data_loader_workers:
         logger.info("--persistent_data_loader_workers: data loader workers stay alive between epochs by default "
@@ -394,5 +396,5 @@ def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | Non
     if held_out:
         validation_seed = data.validation_seed if data.validation_seed is not None else seed
         validation = TrainData(replace(group, datasets=tuple(ds.spec for ds in held_out)), held_out, data,
-                               validation_seed)
-    return TrainData(group, datasets, data, seed, validation)
+                               validation_seed, latent_suffix=latent_suffix)
+    return TrainData(group, datasets, data, seed, validation, latent_suffix)

@@ -1,6 +1,7 @@
 """Latent cache files, compatible with sd-scripts' (``strategy_sd.SdSdxlLatentsCachingStrategy``).
 
-File: ``<image stem>_<W:04d>x<H:04d>_sd.npz`` beside the image, W×H the original (upright) image size; uncompressed
+File: ``<image stem>_<W:04d>x<H:04d>_sd.npz`` (SDXL: ``_sdxl.npz``, as sd-scripts keeps the two apart) beside the
+image, W×H the original (upright) image size; uncompressed
 ``np.savez`` with ``latents`` (float32 [4, h, w], unscaled VAE sample), ``original_size`` [W, H], ``crop_ltrb``,
 ``latents_flipped`` (with flip_aug) and ``alpha_mask`` (float32 [H, W] in [0, 1] at the bucket size, with
 alpha_mask; unflipped). sd-scripts reads these files as its own. A file without ``alpha_mask`` is rebuilt when the
@@ -31,10 +32,10 @@ LATENT_CHANNELS = 4
 LATENT_STRIDE = 8
 
 
-def npz_path(image_path: str | Path, original_size: tuple[int, int]) -> Path:
-    """sd-scripts' cache file name for an image of ``original_size`` (W, H)."""
+def npz_path(image_path: str | Path, original_size: tuple[int, int], suffix: str = "_sd") -> Path:
+    """sd-scripts' cache file name for an image of ``original_size`` (W, H); ``suffix`` ``_sdxl`` for SDXL."""
     image_path = Path(image_path)
-    return image_path.with_name(f"{image_path.stem}_{original_size[0]:04d}x{original_size[1]:04d}_sd.npz")
+    return image_path.with_name(f"{image_path.stem}_{original_size[0]:04d}x{original_size[1]:04d}{suffix}.npz")
 
 
 def file_sha1(path: str | Path) -> str:

@@ -91,18 +91,20 @@ def test_weighted_captions_live_and_cached_alike(tmp_path):
     assert any(not torch.equal(live[k], unweighted[k]) for k in live)
 
 
-def test_full_bf16_from_disk_cache_and_exact_resume(tmp_path):
+def test_full_bf16_from_disk_caches_and_exact_resume(tmp_path):
     """Without gradient accumulation: the SR accumulator's rounding stream is not part of the saved state yet, so
     a resume with SR accumulation is not bit-exact (SD 1.x alike)."""
     data = tmp_path / "data"
     shutil.copytree(SAMPLES, data)
     common = ("--mixed_precision", "bf16", "--full_bf16", "--optimizer_type", "StochasticAdamW",
               "--gradient_checkpointing", "--network_train_unet_only",
-              "--cache_text_encoder_outputs_to_disk", "--cache_latents", "--max_train_steps", "4",
+              "--cache_text_encoder_outputs_to_disk", "--cache_latents_to_disk", "--max_train_steps", "4",
               "--save_every_n_steps", "2", "--save_state")
     assert train(sdxl_args(tmp_path / "a", *common, data=data)) == 0
     files = sorted((data / "10_shapes").glob("*_te_outputs.npz"))
     assert len(files) == 8
+    # latents as sd-scripts' SdSdxlLatentsCachingStrategy names SDXL's, apart from SD 1.x/2.x's _sd.npz
+    assert len(list((data / "10_shapes").glob("*_sdxl.npz"))) == 8 and not list((data / "10_shapes").glob("*_sd.npz"))
     with np.load(files[0]) as npz:
         assert {"hidden_state1", "hidden_state2", "pool2"} <= set(npz.files)
         assert npz["hidden_state1"].shape == (77, 32) and npz["pool2"].shape == (32,)
