@@ -1,4 +1,5 @@
-"""Every shipped config loads and validates (training args, and the dataset configs they name)."""
+"""Every shipped config loads and validates (training args, and the dataset configs they name); a config whose
+name says sdxl is read as ``sdxl_train_network.py`` reads it."""
 
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import pytest
 from library.cli import parse_args
 from library.config import validate
 from library.data import build_train_data
+from library.model_family import model_family
 from library.optimizer_setup import check_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,13 +19,14 @@ TRAINING_CONFIGS = [p for p in TRAINING_CONFIGS if "dataset" not in p.name]
 @pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_config_loads_validates_and_its_data_builds(path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    cfg, _ = parse_args(["--config_file", str(path)])
+    family = "sdxl" if "sdxl" in path.name else "sd"
+    cfg, _ = parse_args(["--config_file", str(path)], family)
     validate(cfg)
     check_optimizer(cfg.optimizer, cfg.schedule)
-    data = build_train_data(cfg.data, seed=0)
+    data = build_train_data(cfg.data, seed=0, bucket_step=model_family(family).bucket_step)
     assert len(data) > 0
 
 
 def test_every_config_is_covered():
     names = {p.name for p in TRAINING_CONFIGS}
-    assert {"demo.toml", "sd15_lora.toml", "full_bf16_sparkles.toml"} <= names
+    assert {"demo.toml", "demo_sdxl.toml", "sd15_lora.toml", "full_bf16_sparkles.toml", "sdxl_lora.toml"} <= names
