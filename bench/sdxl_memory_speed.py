@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_speed import MARKER, ROOT, machine, measure, vm_hwm_bytes, write_images  # noqa: E402
+from common import ROOT, machine, reproduce_command, write_images  # noqa: E402
+from memory_speed import MARKER, measure, vm_hwm_bytes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PRECISIONS = {
@@ -160,8 +161,7 @@ def main() -> int:
     header = (f"| precision | gradient checkpointing | cache TE outputs | ours peak RSS, whole process, GiB | ours "
               f"peak RSS, training loop, GiB | ours median s/step (steps 2-{args.steps}) |{upstream_cols} flags |")
     table = "\n".join([header, "|" + "---|" * (header.count("|") - 1), *rows])
-    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
-    command = f"HF_HUB_OFFLINE=1 {threads}.venv/bin/python bench/sdxl_memory_speed.py {shlex.join(sys.argv[1:])}"
+    command = reproduce_command("sdxl_memory_speed.py")
     report = "\n\n".join([
         f"# Memory and speed of sdxl_train_network.py, SDXL 1.0 architecture, CPU, {datetime.date.today()}",
         f"How to reproduce (from the repository root; {(time.perf_counter() - started) / 60:.0f} minutes here):"
