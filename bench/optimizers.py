@@ -184,6 +184,8 @@ def candidates() -> list[tuple[str, Callable[[list[torch.nn.Parameter]], Optimiz
                                                                            stochastic_rounding=True)))
     rows.append(("AdamW foreach=True stochastic_rounding=True",
                  lambda p: build_optimizer("AdamW", p, 1e-4, foreach=True, stochastic_rounding=True)))
+    rows.append(("AdamW fused=True stochastic_rounding=True",
+                 lambda p: build_optimizer("AdamW", p, 1e-4, fused=True, stochastic_rounding=True)))
     return rows
 
 
