@@ -204,3 +204,32 @@ def test_rounding_wrapper_is_unbiased_and_leaves_tensors_without_gradient_alone(
         <= 4 * standard_error
     assert torch.equal(params[2].detach(), torch.ones(50_000, dtype=torch.bfloat16))
     assert not torch.equal(params[0].detach(), params[1].detach()), "both tensors drew the same bits"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rounding_wrapper_around_fused_adamw_stays_within_300_ops(case: str) -> None:
+    """torch's fused AdamW on the wrapper's fp32 shadows: one kernel for all tensors, so the whole wrapped step is a
+    constant number of ops (the 300-op goal of issue 13), and its weights are those of the foreach AdamW."""
+    counts = {}
+    for count in (8, 64):
+        params = make_params(count, torch.bfloat16)
+        wrapper = StochasticRoundingWrapper([{"params": params}],
+                                            lambda groups: torch.optim.AdamW(groups, lr=1e-3, fused=True))
+        costs = step_costs(wrapper, params, case)
+        assert all(not cost.syncs for cost in costs)
+        counts[count] = [cost.op_count for cost in costs[1:]]
+    assert counts[8] == counts[64] and max(counts[64]) <= 300, f"{case}: ops per step {counts}"
+
+
+def test_fused_and_foreach_adamw_give_the_same_weights_through_the_rounding_wrapper() -> None:
+    results = []
+    for options in ({"fused": True}, {"foreach": True}):
+        params = make_params(6, torch.float32)
+        wrapper = StochasticRoundingWrapper([{"params": params}],
+                                            lambda groups, o=options: torch.optim.AdamW(groups, lr=1e-3, **o))
+        for step in range(5):
+            set_grads(params, "all", step)
+            wrapper.step()
+        results.append([param.detach().clone() for param in params])
+    for fused, foreach in zip(*results, strict=True):
+        torch.testing.assert_close(fused, foreach, rtol=1e-6, atol=1e-7)
