@@ -29,9 +29,9 @@ from library.single_file import (
     diffusers_to_openclip,
     openclip_to_diffusers,
     read_state_dict,
+    unet_and_vae_to_original,
     unet_key_map,
     vae_from_ldm,
-    vae_key_map,
 )
 
 if TYPE_CHECKING:
@@ -124,16 +124,7 @@ def load_sdxl_checkpoint(path: Path, *, mmap: bool = True) -> SDXLModel:
 
 def to_sdxl_single_file_state(model: SDXLModel, dtype: torch.dtype | None = None) -> StateDict:
     """All four parts of ``model`` in the SGM single-file key layout."""
-    out: StateDict = {}
-    unet_state = model.unet.state_dict()
-    for ours, theirs in unet_key_map(list(unet_state), model.unet.config.layers_per_block).items():
-        out[UNET_PREFIX + theirs] = unet_state[ours]
-    vae_state = model.vae.state_dict()
-    for ours, theirs in vae_key_map(list(vae_state), len(model.vae.config.block_out_channels)).items():
-        tensor = vae_state[ours]
-        if ".mid.attn_1." in theirs and theirs.endswith("weight") and tensor.ndim == 2:
-            tensor = tensor[:, :, None, None]
-        out[VAE_PREFIX + theirs] = tensor
+    out = unet_and_vae_to_original(model.unet, model.vae)
     for key, tensor in model.text_encoder.state_dict().items():
         out[f"{TE1_PREFIX}text_model.{key.removeprefix('text_model.')}"] = tensor
     te2 = model.text_encoder_2

@@ -351,18 +351,25 @@ def config_name_for(model: SDModel) -> str:
     return "sd15" if model.unet.config.block_out_channels[0] == 320 else "tiny-sd15"
 
 
-def to_single_file_state(model: SDModel, dtype: torch.dtype | None = None) -> StateDict:
-    """UNet + VAE + text encoder of ``model`` in the original single-file key layout."""
-    unet_state = model.unet.state_dict()
+def unet_and_vae_to_original(unet, vae) -> StateDict:
+    """The UNet and VAE in the original (LDM / SGM) single-file key layout, prefixed; the VAE's mid-block attention
+    weights become 1x1 convolutions again. Shared by the SD 1.x/2.x and the SDXL writers."""
     out: StateDict = {}
-    for ours, theirs in unet_key_map(list(unet_state), model.unet.config.layers_per_block).items():
+    unet_state = unet.state_dict()
+    for ours, theirs in unet_key_map(list(unet_state), unet.config.layers_per_block).items():
         out[UNET_PREFIX + theirs] = unet_state[ours]
-    vae_state = model.vae.state_dict()
-    for ours, theirs in vae_key_map(list(vae_state), len(model.vae.config.block_out_channels)).items():
+    vae_state = vae.state_dict()
+    for ours, theirs in vae_key_map(list(vae_state), len(vae.config.block_out_channels)).items():
         tensor = vae_state[ours]
         if ".mid.attn_1." in theirs and theirs.endswith("weight") and tensor.ndim == 2:
             tensor = tensor[:, :, None, None]
         out[VAE_PREFIX + theirs] = tensor
+    return out
+
+
+def to_single_file_state(model: SDModel, dtype: torch.dtype | None = None) -> StateDict:
+    """UNet + VAE + text encoder of ``model`` in the original single-file key layout."""
+    out = unet_and_vae_to_original(model.unet, model.vae)
     text_state = model.text_encoder.state_dict()
     if model.v2:
         layers = model.text_encoder.config.num_hidden_layers

@@ -58,7 +58,18 @@ def bias_scalars(lr: float, betas: tuple[float, float], weight_decay: float, ste
     return eta, math.sqrt(1.0 - beta2**step), 1.0 - eta * weight_decay
 
 
-class StochasticAdamW(SROptimizer):
+class AdamStyle(SROptimizer):
+    """What StochasticAdamW and Compass share: gradient centralization by rows, and Adam's bias-corrected step
+    scalars (``bias_scalars``) in the per-tensor table."""
+
+    def rules(self, group: dict[str, Any]) -> dict[str, RowRule]:
+        return {"centre": row_length} if group["centralization"] != 0 else {}
+
+    def scalars(self, group: dict[str, Any], step: int, param: Tensor) -> tuple[float, ...]:
+        return bias_scalars(group["lr"], group["betas"], group["weight_decay"], step)
+
+
+class StochasticAdamW(AdamStyle):
     """AdamW with fp32 math and one stochastically rounded write-back per buffer (bf16 params and state)."""
 
     def __init__(
@@ -81,12 +92,6 @@ class StochasticAdamW(SROptimizer):
             "centralization": centralization, "stochastic_rounding": stochastic_rounding, "seed": seed,
         }
         super().__init__(params, defaults, compiled)
-
-    def rules(self, group: dict[str, Any]) -> dict[str, RowRule]:
-        return {"centre": row_length} if group["centralization"] != 0 else {}
-
-    def scalars(self, group: dict[str, Any], step: int, param: Tensor) -> tuple[float, ...]:
-        return bias_scalars(group["lr"], group["betas"], group["weight_decay"], step)
 
     def update(self, group: dict[str, Any], batch: Batch) -> None:
         rows = batch.rows("centre") if group["centralization"] != 0 else None

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optimizers.adamw import bias_scalars
-from optimizers.base import Batch, SROptimizer, check_betas
+from optimizers.adamw import AdamStyle
+from optimizers.base import Batch, check_betas
 from optimizers.kernels import Tables, centralize, column, kept, write_
-from optimizers.layout import RowRule, Rows, row_length
+from optimizers.layout import Rows
 
 
 def compass_kernel(
@@ -52,7 +52,7 @@ def compass_kernel(
     write_(p, theta, keep, rounding, bits, 0)
 
 
-class Compass(SROptimizer):
+class Compass(AdamStyle):
     """Compass (amplified-momentum AdamW) with fp32 math and SR write-back for bf16 tensors, all tensors at once."""
 
     def __init__(
@@ -76,12 +76,6 @@ class Compass(SROptimizer):
             "stochastic_rounding": stochastic_rounding, "seed": seed,
         }
         super().__init__(params, defaults, compiled)
-
-    def rules(self, group: dict[str, Any]) -> dict[str, RowRule]:
-        return {"centre": row_length} if group["centralization"] != 0 else {}
-
-    def scalars(self, group: dict[str, Any], step: int, param: Tensor) -> tuple[float, ...]:
-        return bias_scalars(group["lr"], group["betas"], group["weight_decay"], step)
 
     def update(self, group: dict[str, Any], batch: Batch) -> None:
         rows = batch.rows("centre") if group["centralization"] != 0 else None
