@@ -1,0 +1,256 @@
+"""Our ``train_network.py`` against upstream sd-scripts' on the same work, side by side: seconds per step and peak
+resident memory, fp32 and full bf16.
+
+The same work on both sides: the same diffusers folder (``--model``, random-weight SD1.5 in the peer harness),
+the same 8 captioned 256 px images with the same repeats, LoRA rank 16 alpha 8 on the U-Net and the text encoder
+(``networks.lora``, kohya's default targets), AdamW at lr 1e-4 (torch's class on both sides), batch 1,
+``--cache_latents`` (the VAE encodes each image once before the loop, so a step is text encoder + U-Net forward,
+backward and the optimizer), ``--max_data_loader_n_workers 0``, seed 0, the same flags word for word. fp32 is
+``--mixed_precision no``; full bf16 is ``--mixed_precision bf16 --full_bf16`` (U-Net, text encoder, LoRA weights,
+gradients and optimizer state in bf16 on both sides). Upstream's default attention is used on its side (no
+``--sdpa``/``--xformers``, its plain ``baddbmm`` + softmax) and ours on ours (PyTorch's scaled-dot-product attention).
+
+Each trainer runs unchanged in a child process of its own Python (upstream: ``--upstream_python`` in
+``--upstream_dir``, with ``--upstream_pythonpath``; ours: this interpreter in the repository root) through this
+script's ``--child`` mode, which pins the thread count (``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` and
+``torch.set_num_threads``), stamps the end of every optimizer step with torch's global optimizer step hook (the same
+hook on both sides), runs the trainer's ``__main__`` and prints the stamps and the peak RSS (``VmHWM``, whole process)
+as one JSON line. Seconds per step: the median of the intervals between consecutive steps after ``--warmup`` steps
+(data, text encoder, U-Net forward and backward, optimizer, logging). The configurations run interleaved
+(ours fp32, upstream fp32, ours bf16, upstream bf16, then again), ``--rounds`` times; the table gives the median
+over rounds, and the load average before each run. The child also stamps the process's CPU time at each step
+(``CPU s/step``): on a machine shared with other work it moves much less than the wall clock, which with two OpenMP
+threads on two busy cores can stretch tenfold. ``--profile DIR`` adds a ``torch.profiler`` table (self CPU time per
+op, ``--profile_shapes``: per input shape) of the step after ``--warmup`` for every run; that step is not timed.
+
+    OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_upstream.py
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_upstream.py --threads 1 --rounds 2 --steps 6
+
+writes ``bench/results/vs-upstream-2026-12-01.md`` and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import runpy
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_speed import MARKER, machine, vm_hwm_bytes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+STEM = "vs-upstream-2026-12-01"
+PEER = Path("/root/.cache/sd-peer")
+PRECISIONS = {
+    "fp32": ["--mixed_precision", "no"],
+    "full bf16": ["--mixed_precision", "bf16", "--full_bf16"],
+}
+
+
+def child(trainer: str, argv: list[str]) -> int:
+    """Run ``trainer`` as ``__main__`` with ``argv`` in this process; print the optimizer step stamps and the
+    peak RSS as one JSON line."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    bench = str(Path(__file__).resolve().parent)
+    sys.path[:] = [entry for entry in sys.path if entry != bench]  # bench/data.py etc. must not shadow anything
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    stamps: list[float] = []
+    cpu_stamps: list[float] = []
+    profile_to = os.environ.get("VS_UPSTREAM_PROFILE")
+    profile_after = int(os.environ.get("VS_UPSTREAM_PROFILE_AFTER", "1"))
+    shapes = bool(os.environ.get("VS_UPSTREAM_PROFILE_SHAPES"))
+    profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=shapes)
+                if profile_to else None)
+
+    def stamp(optimizer, args, kwargs) -> None:
+        stamps.append(time.perf_counter())
+        cpu_stamps.append(time.process_time())
+        if profiler is not None and len(stamps) == profile_after:
+            profiler.start()
+        elif profiler is not None and len(stamps) == profile_after + 1:
+            profiler.stop()
+            table = profiler.key_averages(group_by_input_shape=shapes).table(
+                sort_by="self_cpu_time_total", row_limit=120 if shapes else 60, max_name_column_width=70,
+                max_shapes_column_width=90)
+            Path(profile_to).write_text(table)
+
+    register_optimizer_step_post_hook(stamp)
+    sys.argv = [trainer, *argv]
+    sys.path.insert(0, str(Path(trainer).resolve().parent))
+    code = 0
+    try:
+        runpy.run_path(trainer, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    report = {"stamps": stamps, "cpu_stamps": cpu_stamps, "peak_rss_bytes": vm_hwm_bytes(),
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "code": code}
+    print(MARKER + json.dumps(report), flush=True)
+    return code
+
+
+def load_average() -> str:
+    return " ".join(f"{value:.1f}" for value in os.getloadavg())
+
+
+def run_side(python: str, cwd: Path, pythonpath: str | None, trainer: str, train_args: list[str], threads: int,
+             log_file: Path, profile: dict[str, str] | None = None) -> dict:
+    """One trainer run in a child process; its output goes to ``log_file``; ``profile``: the child's profiler
+    variables (``--profile``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
+           "CUDA_VISIBLE_DEVICES": "", **(profile or {})}
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    command = [python, str(Path(__file__).resolve()), "--child", trainer, *train_args]
+    load = load_average()
+    began = time.perf_counter()
+    with log_file.open("w") as out:
+        code = subprocess.run(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    text = log_file.read_text()
+    if code != 0 or MARKER not in text:
+        raise RuntimeError(f"{shlex.join(command)} (in {cwd}) failed; see {log_file}:\n{text[-3000:]}")
+    report = json.loads(text.split(MARKER, 1)[1].splitlines()[0])
+    report.update(load=load, wall=time.perf_counter() - began)
+    return report
+
+
+def step_seconds(report: dict, warmup: int, key: str = "stamps") -> float:
+    """Median interval between optimizer steps after ``warmup`` steps: wall seconds (``stamps``) or the process's
+    CPU seconds (``cpu_stamps``, less sensitive to other processes on a shared machine)."""
+    stamps = report[key][max(warmup - 1, 0) + int(report.get("profiled", False)):]  # the profiled step left out
+    return statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+
+
+def upstream_versions(python: str) -> str:
+    code = ("import importlib.metadata as m; print(', '.join(f'{n} {m.version(n)}' for n in "
+            "('torch', 'diffusers', 'transformers', 'accelerate')))")
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def git_head(folder: Path) -> str:
+    result = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False)
+    return result.stdout.strip() or "unknown"
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--child"]:
+        return child(sys.argv[2], sys.argv[3:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="steps not timed at the start of each run")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the table gives medians)")
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    parser.add_argument("--only", choices=sorted(PRECISIONS), nargs="+", default=sorted(PRECISIONS))
+    parser.add_argument("--model", type=Path, default=PEER / "model" / "sd15-random")
+    parser.add_argument("--tokenizer_cache_dir", type=Path, default=PEER / "model" / "tokenizer_cache")
+    parser.add_argument("--data", type=Path, default=PEER / "data", help="a kohya image folder (N_name/ inside)")
+    parser.add_argument("--upstream_dir", type=Path, default=PEER / "sd-scripts")
+    parser.add_argument("--upstream_python", default=str(PEER / "venv" / "bin" / "python"))
+    parser.add_argument("--upstream_pythonpath", default=f"{PEER / 'shim'}:.",
+                        help="PYTHONPATH of the upstream runs (the peer harness's torchvision shim and its folder)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="write each run's torch.profiler table (self CPU time per op) of the first step after "
+                        "--warmup to PROFILE/<run>.txt; the profiled step is left out of the timings")
+    parser.add_argument("--profile_shapes", action="store_true", help="with --profile: one row per input shape")
+    parser.add_argument("--note", default="", help="a line added under the table (e.g. what changed)")
+    parser.add_argument("--out", type=Path, default=RESULTS / f"{STEM}.md")
+    args = parser.parse_args()
+    if args.steps < args.warmup + 2 + bool(args.profile):
+        parser.error("--steps must leave at least two timed steps after --warmup (and the profiled one)")
+    if args.profile and args.warmup < 1:
+        parser.error("--profile profiles the step after --warmup: give --warmup 1 or more")
+
+    started = time.perf_counter()
+    runs: dict[tuple[str, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        common = ["--pretrained_model_name_or_path", str(args.model), "--tokenizer_cache_dir",
+                  str(args.tokenizer_cache_dir), "--train_data_dir", str(args.data), "--caption_extension", ".txt",
+                  "--resolution", "256", "--train_batch_size", "1", "--network_module", "networks.lora",
+                  "--network_dim", "16", "--network_alpha", "8", "--optimizer_type", "AdamW", "--learning_rate",
+                  "1e-4", "--max_train_steps", str(args.steps), "--max_data_loader_n_workers", "0", "--seed", "0",
+                  "--cache_latents"]
+        sides = {
+            "ours": (sys.executable, ROOT, None, str(ROOT / "train_network.py")),
+            "upstream": (args.upstream_python, args.upstream_dir, args.upstream_pythonpath,
+                         str(args.upstream_dir / "train_network.py")),
+        }
+        for round_index in range(args.rounds):
+            for precision in args.only:
+                for side, (python, cwd, pythonpath, trainer) in sides.items():
+                    name = f"{side}-{precision.replace(' ', '_')}-{round_index}"
+                    train_args = common + PRECISIONS[precision] + ["--output_dir", str(Path(tmp) / name)]
+                    profile = None
+                    if args.profile:
+                        args.profile.mkdir(parents=True, exist_ok=True)
+                        profile = {"VS_UPSTREAM_PROFILE": str(args.profile.resolve() / f"{name}.txt"),
+                                   "VS_UPSTREAM_PROFILE_AFTER": str(args.warmup),
+                                   "VS_UPSTREAM_PROFILE_SHAPES": "1" if args.profile_shapes else ""}
+                    report = run_side(python, cwd, pythonpath, trainer, train_args, args.threads,
+                                      Path(tmp) / f"{name}.log", profile)
+                    report["profiled"] = bool(args.profile)
+                    runs.setdefault((side, precision), []).append(report)
+                    print(f"round {round_index + 1} {precision} {side}: {step_seconds(report, args.warmup):.2f} "
+                          f"s/step ({step_seconds(report, args.warmup, 'cpu_stamps'):.2f} CPU), peak RSS "
+                          f"{report['peak_rss_bytes'] / 2**30:.2f} GiB, load {report['load']}, "
+                          f"{report['wall']:.0f} s", flush=True)
+
+    rows = []
+    for precision in args.only:
+        ours = [step_seconds(r, args.warmup) for r in runs[("ours", precision)]]
+        theirs = [step_seconds(r, args.warmup) for r in runs[("upstream", precision)]]
+        ours_rss = [r["peak_rss_bytes"] for r in runs[("ours", precision)]]
+        theirs_rss = [r["peak_rss_bytes"] for r in runs[("upstream", precision)]]
+        s_ours, s_theirs = statistics.median(ours), statistics.median(theirs)
+        c_ours = statistics.median(step_seconds(r, args.warmup, "cpu_stamps") for r in runs[("ours", precision)])
+        c_theirs = statistics.median(step_seconds(r, args.warmup, "cpu_stamps")
+                                     for r in runs[("upstream", precision)])
+        m_ours, m_theirs = statistics.median(ours_rss), statistics.median(theirs_rss)
+        rows.append(f"| {precision} | {s_ours:.2f} | {s_theirs:.2f} | **{s_ours / s_theirs:.2f}×** | "
+                    f"{c_ours:.2f} | {c_theirs:.2f} | {c_ours / c_theirs:.2f}× | "
+                    f"{m_ours / 2**30:.2f} | {m_theirs / 2**30:.2f} | **{m_ours / m_theirs:.2f}×** | "
+                    f"{' / '.join(f'{a:.2f}:{b:.2f}' for a, b in zip(ours, theirs, strict=True))} |")
+    loads = ", ".join(r["load"] for side_runs in runs.values() for r in side_runs)
+    threads = f"OMP_NUM_THREADS={args.threads} "
+    command = f"{threads}HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_upstream.py {shlex.join(sys.argv[1:])}"
+    table = "\n".join([
+        "| precision | ours s/step | upstream s/step | ours / upstream | ours CPU s/step | upstream CPU s/step "
+        "| ours / upstream (CPU) | ours peak RSS GiB | upstream peak RSS GiB | ours / upstream | per round s/step "
+        "(ours:upstream) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|", *rows])
+    report = "\n\n".join(filter(None, [
+        f"# train_network.py against sd-scripts {git_head(args.upstream_dir)}, same work, CPU, "
+        f"{time.strftime('%Y-%m-%d %H:%M')}",
+        f"How to reproduce (from the repository root; {(time.perf_counter() - started) / 60:.0f} minutes here):"
+        f"\n\n    {command}",
+        machine() + f"; ours at {git_head(ROOT)}; upstream venv: {upstream_versions(args.upstream_python)}; "
+        f"torch threads {args.threads} on both sides; load average (1, 5, 15 min) before each run: {loads}",
+        f"Same flags on both sides (`--output_dir` aside): `{shlex.join(common)}` plus the precision's "
+        f"({', '.join(f'{k}: `{shlex.join(v)}`' for k, v in PRECISIONS.items())}). {platform.python_version()} "
+        f"on both sides. s/step: median of the step intervals after {args.warmup} warm-up steps, median over "
+        f"{args.rounds} interleaved rounds; CPU s/step: the same from the process's CPU time; peak RSS: whole "
+        "process.",
+        table,
+        args.note,
+    ]))
+    print(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
