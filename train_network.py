@@ -53,10 +53,11 @@ def main(argv: list[str] | None = None, family: str = "sd") -> int:
                                 "give --config_file NEW.toml")
             print(f"wrote {write_config_file(cfg.run.config_file, explicit)}")
             return 0
-        from library.host_memory import keep_freed_host_memory
+        from library.host_memory import keep_freed_host_memory, use_huge_pages
         from library.run import run  # heavy imports (torch, diffusers) only once the flags are valid
 
-        keep_freed_host_memory()  # before the model is loaded: its first large allocation reads the THP setting
+        use_huge_pages()  # before the model is loaded: its first large allocation reads the setting
+        keep_freed_host_memory()
         _interrupt_on_sigterm()
         result = run(cfg)
     except UserError as exc:

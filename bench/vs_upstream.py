@@ -218,18 +218,21 @@ def main() -> int:
         c_theirs = statistics.median(step_seconds(r, args.warmup, "cpu_stamps")
                                      for r in runs[("upstream", precision)])
         m_ours, m_theirs = statistics.median(ours_rss), statistics.median(theirs_rss)
+        w_ours = statistics.median(r["wall"] for r in runs[("ours", precision)])
+        w_theirs = statistics.median(r["wall"] for r in runs[("upstream", precision)])
         rows.append(f"| {precision} | {s_ours:.2f} | {s_theirs:.2f} | **{s_ours / s_theirs:.2f}×** | "
                     f"{c_ours:.2f} | {c_theirs:.2f} | {c_ours / c_theirs:.2f}× | "
                     f"{m_ours / 2**30:.2f} | {m_theirs / 2**30:.2f} | **{m_ours / m_theirs:.2f}×** | "
-                    f"{' / '.join(f'{a:.2f}:{b:.2f}' for a, b in zip(ours, theirs, strict=True))} |")
+                    f"{' / '.join(f'{a:.2f}:{b:.2f}' for a, b in zip(ours, theirs, strict=True))} | "
+                    f"{w_ours:.0f} : {w_theirs:.0f} |")
     loads = ", ".join(r["load"] for side_runs in runs.values() for r in side_runs)
     threads = f"OMP_NUM_THREADS={args.threads} "
     command = f"{threads}HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_upstream.py {shlex.join(sys.argv[1:])}"
     table = "\n".join([
         "| precision | ours s/step | upstream s/step | ours / upstream | ours CPU s/step | upstream CPU s/step "
         "| ours / upstream (CPU) | ours peak RSS GiB | upstream peak RSS GiB | ours / upstream | per round s/step "
-        "(ours:upstream) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|", *rows])
+        "(ours:upstream) | whole run s, loading included (ours : upstream) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows])
     report = "\n\n".join(filter(None, [
         f"# train_network.py against sd-scripts {git_head(args.upstream_dir)}, same work, CPU, "
         f"{time.strftime('%Y-%m-%d %H:%M')}",

@@ -14,8 +14,9 @@ Two settings remove that, neither changes a single computed value (only where te
   per 2 MiB instead of one per 4 KiB.
 
 A value the user set (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``THP_MEM_ALLOC_ENABLE``) is kept. Off
-Linux/glibc nothing is done. Cost seen: loading the model before the first step took longer (CPU seconds, see the
-bench table's note).
+Linux/glibc nothing is done. ``train_network.py`` applies both at its start. Loading (before the first step) took from
+as long as before to ~3× longer in our runs; it varies with the machine's memory state (sd-scripts' own loading varied
+2× over the same runs); the bench table gives whole-run seconds next to s/step.
 """
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ MMAP_THRESHOLD_MAX = 32 * 2**20  # the largest value glibc accepts on 64-bit sys
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the heap is trimmed only past 2 GiB of free top
 
 
+def use_huge_pages() -> None:
+    """Ask torch for transparent huge pages on its CPU allocations of 2 MiB and more; call before the first one."""
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
 def keep_freed_host_memory() -> bool:
-    """Apply the settings above to this process; True when glibc took them. Call before the model is loaded."""
+    """Apply the glibc thresholds above to this process; True when glibc took them."""
     if not sys.platform.startswith("linux"):
         return False
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (e.g. musl)

@@ -36,18 +36,23 @@ def libc(monkeypatch):
     return fake
 
 
-def test_sets_mmap_and_trim_thresholds_and_huge_pages(libc):
+def test_sets_mmap_and_trim_thresholds(libc):
     assert host_memory.keep_freed_host_memory() is True
     assert libc.calls == [(-3, 32 * 1024 * 1024), (-1, 2147483647)]
+
+
+def test_huge_pages_on_unless_the_user_said_otherwise(libc, monkeypatch):
+    host_memory.use_huge_pages()
     assert host_memory.os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    host_memory.use_huge_pages()
+    assert host_memory.os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
 def test_keeps_the_users_settings(libc, monkeypatch):
-    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     host_memory.keep_freed_host_memory()
     assert libc.calls == [(-3, 32 * 1024 * 1024)]
-    assert host_memory.os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
 def test_reports_a_refused_setting(libc):
