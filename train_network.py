@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None, family: str = "sd") -> int:
         from library.host_memory import keep_freed_host_memory, use_huge_pages
         from library.run import run  # heavy imports (torch, diffusers) only once the flags are valid
 
-        use_huge_pages()  # before the model is loaded: its first large allocation reads the setting
+        if cfg.precision.mixed_precision == "bf16":
+            use_huge_pages()  # before the model is loaded: its first large allocation reads the setting
         keep_freed_host_memory()
         _interrupt_on_sigterm()
         result = run(cfg)
