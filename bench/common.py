@@ -74,3 +74,11 @@ def reproduce_command(script: str) -> str:
     """The command line that ran this benchmark, from the repository root, with its thread setting."""
     threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
     return f"{threads}HF_HUB_OFFLINE=1 .venv/bin/python bench/{script} {shlex.join(sys.argv[1:])}".rstrip()
+
+
+def publish(report: str, out: Path) -> None:
+    """Print a results table and write it to ``out`` (its folder created if needed)."""
+    print(report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report + "\n")
+    print(f"wrote {out}")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT))
 
 import memory_speed  # noqa: E402
-from common import machine, reproduce_command, run_child, write_images  # noqa: E402
+from common import machine, publish, reproduce_command, run_child, write_images  # noqa: E402
 
 STEM = "fp8-2026-12-01"
 MARKER = "fp8_bytes:"
@@ -116,10 +116,7 @@ def main() -> int:
         "--max_data_loader_n_workers 0, seed 0.",
         table,
     ])
-    print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report + "\n")
-    print(f"wrote {args.out}")
+    publish(report, args.out)
     return 0
 
 

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, machine, reproduce_command, run_child, write_images
+from common import ROOT, machine, publish, reproduce_command, run_child, write_images
 
 RESULTS = ROOT / "bench" / "results"
 STEM = "memory-speed-2026-11-29"
@@ -163,10 +163,7 @@ def main() -> int:
         *([] if cuda else ["GPU table: pending (no GPU in this session). On a CUDA machine the same command measures "
                            "512 px and writes memory-speed-2026-11-29-cuda.md."]),
     ])
-    print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report + "\n")
-    print(f"wrote {args.out}")
+    publish(report, args.out)
     return 0
 
 

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, reproduce_command, write_images  # noqa: E402
+from common import ROOT, machine, publish, reproduce_command, write_images  # noqa: E402
 from memory_speed import MARKER, measure, vm_hwm_bytes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -172,10 +172,7 @@ def main() -> int:
         "(sd-scripts 48d368fa with patches/) on the same architecture from an SGM single file in bf16.",
         table,
     ])
-    print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report + "\n")
-    print(f"wrote {args.out}")
+    publish(report, args.out)
     return 0
 
 

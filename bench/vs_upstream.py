@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import publish  # noqa: E402
 from memory_speed import MARKER, machine, vm_hwm_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,10 +249,7 @@ def main() -> int:
         table,
         args.note,
     ]))
-    print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report + "\n")
-    print(f"wrote {args.out}")
+    publish(report, args.out)
     return 0
 
 
