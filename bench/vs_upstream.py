@@ -143,7 +143,8 @@ def upstream_versions(python: str) -> str:
 def git_head(folder: Path) -> str:
     result = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False)
-    return result.stdout.strip() or "unknown"
+    # ../shared/upstream/setup.sh builds the peer harness as a git archive of 48d368fa: no .git to ask
+    return result.stdout.strip() or "48d368fa (git archive, no .git)"
 
 
 def main() -> int:
