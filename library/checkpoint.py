@@ -158,35 +158,31 @@ def make_save_hooks(saver: Saver, names: OutputNames, network,
     keep_epoch_states = cfg.save_last_n_epochs_state or cfg.save_last_n_epochs
     keep_step_states = cfg.save_last_n_steps_state or cfg.save_last_n_steps
 
-    def step_save(pos: Position) -> None:
-        stem = names.step(pos.step)
+    def periodic_save(pos: Position, count: int, stem_of: Callable[[int], str], every: int,
+                      to_remove: Callable[[int, int, int | None], int | None], keep_loras: int | None,
+                      keep_states: int | None) -> None:
+        """One save of a step or epoch cadence (``count`` is the step or the epoch), then the pruning of the
+        LoRA file and state that the kept-last-N rule makes obsolete."""
+        stem = stem_of(count)
         state = capture(pos) if cfg.save_state else None
         saver.check(network, stem, state)
         saver.save_lora(network, stem, metadata.at_save(steps=pos.step, epoch=pos.epoch))
-        every = cfg.save_every_n_steps or 1
-        old = step_to_remove(pos.step, every, cfg.save_last_n_steps)
+        old = to_remove(count, every, keep_loras)
         if old is not None:
-            saver.remove_lora(names.step(old))
+            saver.remove_lora(stem_of(old))
         if state is not None:
             saver.save_state(stem, state)
-            old = step_to_remove(pos.step, every, keep_step_states)
+            old = to_remove(count, every, keep_states)
             if old is not None:
-                saver.remove_state(names.step(old))
+                saver.remove_state(stem_of(old))
+
+    def step_save(pos: Position) -> None:
+        periodic_save(pos, pos.step, names.step, cfg.save_every_n_steps or 1, step_to_remove, cfg.save_last_n_steps,
+                      keep_step_states)
 
     def epoch_save(pos: Position) -> None:
-        stem = names.epoch(pos.epoch)
-        state = capture(pos) if cfg.save_state else None
-        saver.check(network, stem, state)
-        saver.save_lora(network, stem, metadata.at_save(steps=pos.step, epoch=pos.epoch))
-        every = every_epochs or 1
-        old = epoch_to_remove(pos.epoch, every, cfg.save_last_n_epochs)
-        if old is not None:
-            saver.remove_lora(names.epoch(old))
-        if state is not None:
-            saver.save_state(stem, state)
-            old = epoch_to_remove(pos.epoch, every, keep_epoch_states)
-            if old is not None:
-                saver.remove_state(names.epoch(old))
+        periodic_save(pos, pos.epoch, names.epoch, every_epochs or 1, epoch_to_remove, cfg.save_last_n_epochs,
+                      keep_epoch_states)
 
     def final_save(pos: Position) -> None:
         state = capture(pos) if cfg.save_state or cfg.save_state_on_train_end else None
