@@ -44,6 +44,13 @@ def adamw_kernel(
     v32 = torch.addcmul(v.float() * beta2, grad, grad, value=1.0 - beta2)
     denom = torch.sqrt(v32) / bc2_sqrt + eps
     theta = p.float() * decay + (-eta * m32) / denom
+    write_adam_buffers_(p, theta, m, m32, v, v32, tables, columns, masked, rounding)
+
+
+def write_adam_buffers_(p: Tensor, theta: Tensor, m: Tensor, m32: Tensor, v: Tensor, v32: Tensor, tables: Tables,
+                        columns: Tensor, masked: bool, rounding: str) -> None:
+    """The write-back StochasticAdamW's and Compass' kernels end with: m, v and p from one hashed draw per element,
+    only where the tensor had a gradient (table column 3) when ``masked``."""
     bits = tables.bits() if rounding == "stochastic" else None
     keep = kept(column(columns, 3)) if masked else None
     write_(m, m32, keep, rounding, bits, 1)

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optimizers.adamw import AdamStyle
+from optimizers.adamw import AdamStyle, write_adam_buffers_
 from optimizers.base import Batch, check_betas
-from optimizers.kernels import Tables, centralize, column, kept, write_
+from optimizers.kernels import Tables, centralize, column
 from optimizers.layout import Rows
 
 
@@ -45,11 +45,7 @@ def compass_kernel(
     v32 = torch.addcmul(v.float() * beta2, amplified, amplified, value=1.0 - beta2)
     denom = torch.sqrt(v32) / bc2_sqrt + eps
     theta = p.float() * decay + (-eta * amplified) / denom
-    bits = tables.bits() if rounding == "stochastic" else None
-    keep = kept(column(columns, 3)) if masked else None
-    write_(m, m32, keep, rounding, bits, 1)
-    write_(v, v32, keep, rounding, bits, 2)
-    write_(p, theta, keep, rounding, bits, 0)
+    write_adam_buffers_(p, theta, m, m32, v, v32, tables, columns, masked, rounding)
 
 
 class Compass(AdamStyle):
