@@ -14,35 +14,12 @@ import upstream_env  # noqa: F401  (first: torchvision stub, offline, one thread
 
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
+from accumulation_setup import STEPS, Net, batches, compare_restored, loss_of, parse  # noqa: E402
 
 import train_network  # noqa: E402
 
 upstream_env.quiet_logging()
 check = upstream_env.check
-STEPS = 4
-
-
-def parse(*argv: str):
-    return train_network.setup_parser().parse_args(list(argv))
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = torch.nn.Linear(16, 8)
-        self.unused = torch.nn.Linear(16, 8)  # never in the graph: must stay without a gradient
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
-
-
-def batches(seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(3, 16, generator=generator).to(torch.bfloat16) for _ in range(STEPS)]
-
-
-def loss_of(net: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return net(x).float().square().mean()
 
 
 trainer = train_network.NetworkTrainer()
@@ -106,17 +83,7 @@ def _():
     for handle in handles:
         handle.remove()
     assert restored is not None, "no sync step"
-    worst = 0.0
-    for name, ref in reference.items():
-        got = restored[name]
-        if name.startswith("unused"):
-            assert got is None, f"{name} got a gradient"
-            continue
-        assert got is not None and got.dtype == torch.bfloat16, f"{name}: {None if got is None else got.dtype}"
-        scale = ref.abs().max().item()
-        error = (got.double() - ref).abs().max().item() / scale
-        worst = max(worst, error)
-        assert error < 2 ** -6, f"{name}: max error {error:.2e} of the largest gradient"
+    worst = compare_restored(reference, restored)
     assert all(not hasattr(p, "acc_grad") for p in net.parameters()), "buffer left behind"
     return f"max error {worst:.1e} of the largest gradient; bf16 step is 7.8e-03"
 

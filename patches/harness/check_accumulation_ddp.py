@@ -21,40 +21,17 @@ import upstream_env  # noqa: F401  (first: torchvision stub, offline, one thread
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from accelerate import Accelerator, DistributedType  # noqa: E402
+from accumulation_setup import STEPS, Net, batches, compare_restored, loss_of, parse  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import train_network  # noqa: E402
 
 upstream_env.quiet_logging()
-STEPS = 4
 accelerator = Accelerator(gradient_accumulation_steps=STEPS, cpu=True)
 RANK, WORLD = accelerator.process_index, accelerator.num_processes
 if RANK:
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the other process only computes)
 check = upstream_env.check
-
-
-def parse(*argv: str):
-    return train_network.setup_parser().parse_args(list(argv))
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = torch.nn.Linear(16, 8)
-        self.unused = torch.nn.Linear(16, 8)  # never in the graph: must stay without a gradient
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
-
-
-def batches(rank: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 + rank)
-    return [torch.randn(3, 16, generator=generator).to(torch.bfloat16) for _ in range(STEPS)]
-
-
-def loss_of(net: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return net(x).float().square().mean()
 
 
 def gathered(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -89,7 +66,7 @@ def _():
     net = Net().to(torch.bfloat16)
     reference = {name: torch.zeros_like(p, dtype=torch.float64) for name, p in net.named_parameters()}
     for rank in range(WORLD):  # each process's window summed by plain autograd, in fp64; then the mean
-        for x in batches(rank):
+        for x in batches(100 + rank):
             net.zero_grad(set_to_none=True)
             (loss_of(net, x) / STEPS).backward()
             for name, p in net.named_parameters():
@@ -103,7 +80,7 @@ def _():
     inner = accelerator.unwrap_model(wrapped)
     handles = trainer.assign_sr_grad_accumulation_hooks(accelerator, wrapped)
     restored = None
-    for index, x in enumerate(batches(RANK)):
+    for index, x in enumerate(batches(100 + RANK)):
         with accelerator.accumulate(wrapped):
             accelerator.backward(loss_of(inner, x))  # as train_network: the module runs, not the DDP wrapper
             if accelerator.sync_gradients:
@@ -120,18 +97,12 @@ def _():
     for handle in handles:
         handle.remove()
     assert restored is not None, "no sync step"
-    worst = 0.0
-    for name, ref in reference.items():
-        got = restored[name]
-        if name.startswith("unused"):
-            assert got is None, f"{name} got a gradient"
-            continue
-        assert got is not None and got.dtype == torch.bfloat16, f"{name}: {None if got is None else got.dtype}"
+
+    def same_on_every_process(name: str, got: torch.Tensor) -> None:
         copies = gathered(got)
         assert all(torch.equal(copies[0], c) for c in copies), f"{name}: the processes' gradients differ"
-        error = (got.double() - ref).abs().max().item() / ref.abs().max().item()
-        worst = max(worst, error)
-        assert error < 2 ** -6, f"{name}: max error {error:.2e} of the largest gradient"
+
+    worst = compare_restored(reference, restored, same_on_every_process)
     return f"max error {worst:.1e} of the largest gradient; bf16 step is 7.8e-03"
 
 
