@@ -82,3 +82,13 @@ def publish(report: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report + "\n")
     print(f"wrote {out}")
+
+
+def lora_run_args(model: str, data: Path, resolution: int, steps: int, *, rank: int = 16, batch: int = 1,
+                  workers: int = 0) -> list[str]:
+    """The ``train_network.py`` flags the training benchmarks share: ``model`` on the captioned images in ``data``,
+    a kohya LoRA of ``rank`` (alpha 8) on the U-Net and the text encoder, lr 1e-4, ``steps`` updates, seed 0."""
+    return ["--pretrained_model_name_or_path", model, "--train_data_dir", str(data), "--caption_extension", ".txt",
+            "--resolution", str(resolution), "--train_batch_size", str(batch), "--network_module", "networks.lora",
+            "--network_dim", str(rank), "--network_alpha", "8", "--learning_rate", "1e-4", "--max_train_steps",
+            str(steps), "--max_data_loader_n_workers", str(workers), "--seed", "0"]

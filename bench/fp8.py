@@ -30,7 +30,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT))
 
 import memory_speed  # noqa: E402
-from common import machine, publish, reproduce_command, run_child, write_images  # noqa: E402
+from common import lora_run_args, machine, publish, reproduce_command, run_child, write_images  # noqa: E402
 
 STEM = "fp8-2026-12-01"
 MARKER = "fp8_bytes:"
@@ -84,12 +84,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         write_images(data / "1_shapes", args.resolution)
-        base = ["--pretrained_model_name_or_path", "builtin:sd15-random", "--train_data_dir", str(data),
-                "--caption_extension", ".txt", "--resolution", str(args.resolution), "--train_batch_size", "1",
-                "--network_module", "networks.lora", "--network_dim", str(args.rank), "--network_alpha", "8",
-                "--learning_rate", "1e-4", "--max_train_steps", str(args.steps), "--max_data_loader_n_workers", "0",
-                "--seed", "0", "--output_dir", str(Path(tmp) / "out"), "--mixed_precision", "bf16",
-                "--optimizer_type", "AdamW", "--cache_latents"]
+        base = [*lora_run_args("builtin:sd15-random", data, args.resolution, args.steps, rank=args.rank),
+                "--output_dir", str(Path(tmp) / "out"), "--mixed_precision", "bf16", "--optimizer_type", "AdamW",
+                "--cache_latents"]
         for label, extra in ROWS.items():
             report = measure(base + extra, Path(tmp) / f"run{len(rows)}.log")
             steps = report["step_seconds"]

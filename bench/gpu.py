@@ -46,7 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import write_images  # noqa: E402
+from bench.common import lora_run_args, write_images  # noqa: E402
 from bench.optimizers import lora_parameters, state_bytes  # noqa: E402
 from tests.sync_counter import SyncCounter  # noqa: E402
 
@@ -287,12 +287,9 @@ def _training_rows(size: Sizes, budget: Budget, folder: Path, data: Path, probe:
             if rows and budget.left() < 1.5 * last:  # the first row always runs
                 rows.append(f"{label} skipped (budget) | |")
                 continue
-            argv = ["--pretrained_model_name_or_path", size.model, "--train_data_dir", str(data),
-                    "--caption_extension", ".txt", "--resolution", str(size.resolution), "--train_batch_size",
-                    str(batch), "--network_module", "networks.lora", "--network_dim", "16", "--network_alpha", "8",
-                    "--learning_rate", "1e-4", "--max_train_steps", str(size.steps), "--cache_latents",
-                    "--max_data_loader_n_workers", str(size.workers), "--seed", "0",
-                    "--output_dir", str(folder / "out"), "--output_name", "bench", *pflags, *oflags]
+            argv = [*lora_run_args(size.model, data, size.resolution, size.steps, batch=batch,
+                                   workers=size.workers),
+                    "--cache_latents", "--output_dir", str(folder / "out"), "--output_name", "bench", *pflags, *oflags]
             began = time.monotonic()
             try:
                 seconds, peak = probe.run(argv)

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, machine, publish, reproduce_command, run_child, write_images
+from common import ROOT, lora_run_args, machine, publish, reproduce_command, run_child, write_images
 
 RESULTS = ROOT / "bench" / "results"
 STEM = "memory-speed-2026-11-29"
@@ -124,11 +124,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         write_images(data / "1_shapes", args.resolution)
-        base = ["--pretrained_model_name_or_path", "builtin:sd15-random", "--train_data_dir", str(data),
-                "--caption_extension", ".txt", "--resolution", str(args.resolution), "--train_batch_size", "1",
-                "--network_module", "networks.lora", "--network_dim", str(args.rank), "--network_alpha", "8",
-                "--learning_rate", "1e-4", "--max_train_steps", str(args.steps), "--max_data_loader_n_workers", "0",
-                "--seed", "0", "--output_dir", str(Path(tmp) / "out")]
+        base = [*lora_run_args("builtin:sd15-random", data, args.resolution, args.steps, rank=args.rank),
+                "--output_dir", str(Path(tmp) / "out")]
         for (precision, flags), checkpointing, cache in itertools.product(PRECISIONS.items(), (False, True),
                                                                           (False, True)):
             extra = flags + ["--gradient_checkpointing"] * checkpointing + ["--cache_latents"] * cache

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, machine, reproduce_command, run_child, write_images
+from common import ROOT, lora_run_args, machine, reproduce_command, run_child, write_images
 
 RESULTS = ROOT / "bench" / "results"
 STEM = "validation-2026-12-01"
@@ -97,11 +97,7 @@ def main() -> int:
             data = Path(tmp) / f"data{size}"
             if not data.exists():
                 write_images(data / "1_shapes", size)
-            base = ["--pretrained_model_name_or_path", model, "--train_data_dir", str(data), "--caption_extension",
-                    ".txt", "--resolution", str(size), "--train_batch_size", "1", "--network_module",
-                    "networks.lora", "--network_dim", "16", "--network_alpha", "8", "--learning_rate", "1e-4",
-                    "--max_train_steps", str(steps), "--max_data_loader_n_workers", "0", "--seed", "0",
-                    "--validation_split", "0.25", *extra]
+            base = [*lora_run_args(model, data, size, steps), "--validation_split", "0.25", *extra]
             runs = {name: measure(base + flags + ["--output_dir", str(Path(tmp) / f"out{n}{name[0]}")],
                                   Path(tmp) / f"run{n}-{name[0]}.log") for name, flags in CADENCES.items()}
             with_val = statistics.median(runs["every step"]["steps"])
