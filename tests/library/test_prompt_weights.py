@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from library.errors import UserError
-from library.model_parts import load_tokenizer
 from library.prompt_weights import parse_prompt_attention, weighted_token_ids
 from library.text_encoding import apply_token_weights, encode_text, tokenize, tokenize_with_weights
 
@@ -22,23 +21,6 @@ torch.set_num_threads(1)
 
 BOS, EOS, A, CAT = 49406, 49407, 320, 2368
 UP, DOWN = 1.1, 1 / 1.1
-
-
-@pytest.fixture(scope="module")
-def tok1():
-    return load_tokenizer(v2=False)
-
-
-@pytest.fixture(scope="module")
-def tok2():
-    return load_tokenizer(v2=True)
-
-
-@pytest.fixture(scope="module")
-def text_encoder():
-    from library.tiny_model import build_tiny_sd15
-
-    return build_tiny_sd15().text_encoder
 
 
 @pytest.mark.parametrize("text,expected", [

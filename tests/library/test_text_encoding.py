@@ -6,30 +6,12 @@ import pytest
 import torch
 
 from library.errors import UserError
-from library.model_parts import load_tokenizer
 from library.text_encoding import encode_text, tokenize
 
 torch.set_num_threads(1)
 
 BOS, EOS = 49406, 49407
 CAT = 2368  # "cat</w>"
-
-
-@pytest.fixture(scope="module")
-def tok1():
-    return load_tokenizer(v2=False)
-
-
-@pytest.fixture(scope="module")
-def tok2():
-    return load_tokenizer(v2=True)
-
-
-@pytest.fixture(scope="module")
-def text_encoder():
-    from library.tiny_model import build_tiny_sd15
-
-    return build_tiny_sd15().text_encoder
 
 
 def test_ids_equal_openai_clip(tok1, tok2):
