@@ -118,23 +118,6 @@ sample_sampler = "k_euler_a"
                                   sampler="k_euler_a")
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('[prompt]\n[[prompt.subset]]\nprompt = "a"\nwidht = 5\n', 'prompt.subset[0]: unknown key "widht" (did you mean '
-     '"width"?)'),
-    ('[prompt]\n[[prompt.subset]]\nprompt = "a"\nseed = "x"\n', "prompt.subset[0]: key \"seed\" 'x': expected a "
-     "whole number"),
-    ('[prompt]\nwidth = true\n[[prompt.subset]]\nprompt = "a"\n', "prompt.subset[0]: key \"width\" True"),
-    ('[prompt]\n[[prompt.subset]]\nprompt = 3\n', "prompt.subset[0]: key \"prompt\": expected text"),
-    ('prompt = "a"\n', "expected a [prompt] table of defaults and one [[prompt.subset]] table per image"),
-    ("[prompt\n", "not valid TOML"),
-])
-def test_toml_errors(tmp_path, text, expected):
-    path = write(tmp_path, "p.toml", text)
-    with pytest.raises(UserError) as info:
-        load_prompt_file(path)
-    assert expected in str(info.value) and str(path) in str(info.value)
-
-
 def test_json_lines_and_tables(tmp_path):
     items = ["a line --w 64 --s 2", {"prompt": "a table", "height": 96, "scale": 1, "sample_sampler": "dpm_2"}, ""]
     path = write(tmp_path, "p.json", json.dumps(items))
@@ -144,15 +127,29 @@ def test_json_lines_and_tables(tmp_path):
     assert empty == SamplePrompt(index=2, prompt="")
 
 
-@pytest.mark.parametrize("text, expected", [
+TOML_ERRORS = [
+    ('[prompt]\n[[prompt.subset]]\nprompt = "a"\nwidht = 5\n', 'prompt.subset[0]: unknown key "widht" (did you mean '
+     '"width"?)'),
+    ('[prompt]\n[[prompt.subset]]\nprompt = "a"\nseed = "x"\n', "prompt.subset[0]: key \"seed\" 'x': expected a "
+     "whole number"),
+    ('[prompt]\nwidth = true\n[[prompt.subset]]\nprompt = "a"\n', "prompt.subset[0]: key \"width\" True"),
+    ('[prompt]\n[[prompt.subset]]\nprompt = 3\n', "prompt.subset[0]: key \"prompt\": expected text"),
+    ('prompt = "a"\n', "expected a [prompt] table of defaults and one [[prompt.subset]] table per image"),
+    ("[prompt\n", "not valid TOML"),
+]
+JSON_ERRORS = [
     ('{"prompt": "a"}', "expected a JSON list"),
     ('["ok", 3]', "[1]: expected a prompt line or a table"),
     ('[{"prompt": "a", "steps": 3}]', '[0]: unknown key "steps"'),
     ('["a --w x"]', "[0]: --w 'x'"),
     ("[", "not valid JSON"),
-])
-def test_json_errors(tmp_path, text, expected):
-    path = write(tmp_path, "p.json", text)
+]
+
+
+@pytest.mark.parametrize("name, text, expected", [("p.toml", *case) for case in TOML_ERRORS]
+                         + [("p.json", *case) for case in JSON_ERRORS])
+def test_toml_and_json_errors_name_the_file_and_the_place(tmp_path, name, text, expected):
+    path = write(tmp_path, name, text)
     with pytest.raises(UserError) as info:
         load_prompt_file(path)
     assert expected in str(info.value) and str(path) in str(info.value)
