@@ -92,3 +92,24 @@ def lora_run_args(model: str, data: Path, resolution: int, steps: int, *, rank: 
             "--resolution", str(resolution), "--train_batch_size", str(batch), "--network_module", "networks.lora",
             "--network_dim", str(rank), "--network_alpha", "8", "--learning_rate", "1e-4", "--max_train_steps",
             str(steps), "--max_data_loader_n_workers", str(workers), "--seed", "0"]
+
+
+def stamp_updates(stamps: list[float]) -> None:
+    """Make every optimizer update (``library.update.Updater.update``) append its end time to ``stamps``, after a
+    CUDA synchronisation on a GPU; a child's step times are the differences of consecutive stamps."""
+    import time
+
+    import torch
+
+    from library.update import Updater
+
+    update, cuda = Updater.update, torch.cuda.is_available()
+
+    def timed_update(self):
+        result = update(self)
+        if cuda:
+            torch.cuda.synchronize()
+        stamps.append(time.perf_counter())
+        return result
+
+    Updater.update = timed_update

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, lora_run_args, machine, publish, reproduce_command, run_child, write_images
+from common import ROOT, lora_run_args, machine, publish, reproduce_command, run_child, stamp_updates, write_images
 
 RESULTS = ROOT / "bench" / "results"
 STEM = "memory-speed-2026-11-29"
@@ -63,19 +63,11 @@ def child(argv: list[str]) -> int:
     sys.path.insert(0, str(ROOT))
     import train_network
     from library import run
-    from library.update import Updater
 
     cuda = torch.cuda.is_available()
     stamps: list[float] = []
     report: dict = {}
-    update, train_loop = Updater.update, run.train_loop
-
-    def timed_update(self):
-        result = update(self)
-        if cuda:
-            torch.cuda.synchronize()
-        stamps.append(time.perf_counter())
-        return result
+    train_loop = run.train_loop
 
     def measured_loop(**kwargs):
         if cuda:
@@ -88,7 +80,8 @@ def child(argv: list[str]) -> int:
         report["loop_peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else vm_hwm_bytes()
         return result
 
-    Updater.update, run.train_loop = timed_update, measured_loop
+    stamp_updates(stamps)
+    run.train_loop = measured_loop
     code = train_network.main(argv, family=os.environ.get("BENCH_FAMILY", "sd"))
     report["step_seconds"] = [b - a for a, b in itertools.pairwise(stamps)]
     print(MARKER + json.dumps(report), flush=True)

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, lora_run_args, machine, reproduce_command, run_child, write_images
+from common import ROOT, lora_run_args, machine, reproduce_command, run_child, stamp_updates, write_images
 
 RESULTS = ROOT / "bench" / "results"
 STEM = "validation-2026-12-01"
@@ -38,23 +38,12 @@ CADENCES = {"every step": ["--validate_every_n_steps", "1"], "never": ["--valida
 def child(argv: list[str]) -> int:
     """``train_network.main(argv)`` with the updates stamped and the validations timed; one JSON line at exit."""
     sys.path.insert(0, str(ROOT))
-    import torch
-
     import train_network
-    from library.update import Updater
     from library.validation import Validation
 
-    cuda = torch.cuda.is_available()
     stamps: list[float] = []
     validations: list[float] = []
-    update, validate = Updater.update, Validation.run
-
-    def timed_update(self):
-        result = update(self)
-        if cuda:
-            torch.cuda.synchronize()
-        stamps.append(time.perf_counter())
-        return result
+    validate = Validation.run
 
     def timed_validation(self):
         start = time.perf_counter()
@@ -62,7 +51,8 @@ def child(argv: list[str]) -> int:
         validations.append(time.perf_counter() - start)
         return loss
 
-    Updater.update, Validation.run = timed_update, timed_validation
+    stamp_updates(stamps)
+    Validation.run = timed_validation
     code = train_network.main(argv)
     steps = [b - a for a, b in itertools.pairwise(stamps)]
     print(MARKER + json.dumps({"steps": steps, "validations": validations}), flush=True)
