@@ -53,8 +53,8 @@ def child(argv: list[str]) -> int:
 
     store = model_setup.store_frozen_fp8
 
-    def measured_store(model, policy):
-        store(model, policy)
+    def measured_store(model, policy, family):
+        store(model, policy, family)
         print(MARKER + json.dumps({"unet": parameter_bytes(model.unet),
                                    "text_encoder": parameter_bytes(model.text_encoder)}), flush=True)
 
