@@ -9,6 +9,7 @@ downloaded. The configs a single file needs are bundled in ``library/assets/conf
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from library import single_file
@@ -44,15 +45,22 @@ def build_builtin(name: str, seed: int = 0) -> SDModel:
 
 
 def _from_pretrained(cls, path: Path, subfolder: str):
-    """One part of a diffusers folder; a part whose files cannot be read (truncated, missing) is a UserError."""
+    """One part of a diffusers folder; a part whose config or weights cannot be read (damaged, truncated, missing)
+    is a UserError naming which of the two it is."""
+    def refused(exc: Exception, part: str) -> UserError:
+        reason = str(exc).splitlines()[0]
+        return UserError(f"--pretrained_model_name_or_path {path}: {subfolder}/ cannot be loaded ({reason}); its "
+                         f"{part} damaged, truncated or missing (an interrupted download or copy?): copy the folder "
+                         "again")
+
+    try:
+        json.loads((path / subfolder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise refused(exc, "config.json is") from None
     try:
         return cls.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
     except (OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0]
-        part = "config.json is" if "config" in reason and "json" in reason.lower() else "weights are"
-        raise UserError(f"--pretrained_model_name_or_path {path}: {subfolder}/ cannot be loaded ({reason}); its "
-                        f"{part} damaged, truncated or missing (an interrupted download or copy?): copy the folder "
-                        "again") from None
+        raise refused(exc, "weights are") from None
 
 
 def _load_diffusers_folder(path: Path, *, v2: bool, v_parameterization: bool) -> SDModel:
