@@ -20,6 +20,7 @@ micro-batch) through ``rounding.step_seed``, like the optimizers' rounding: its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -32,16 +33,22 @@ from optimizers.rounding import add_stochastic_, seeded_generator, step_seed
 ACC_ATTR = "acc_grad"
 
 
-def _accumulate_hook(param: Tensor) -> None:
-    """Fold ``param.grad`` into ``param.acc_grad`` and drop ``param.grad``."""
+def _fold_grad(param: Tensor, add: Callable[[Tensor, Tensor], None]) -> None:
+    """Fold ``param.grad`` into ``param.acc_grad`` (a bf16 copy for the window's first gradient, ``add(acc, grad)``
+    after that) and drop ``param.grad``."""
     if param.grad is None:
         return
     acc = getattr(param, ACC_ATTR, None)
     if acc is None:
         setattr(param, ACC_ATTR, param.grad.detach().to(torch.bfloat16, copy=True))
     else:
-        add_stochastic_(acc, param.grad.detach())
+        add(acc, param.grad.detach())
     param.grad = None
+
+
+def _accumulate_hook(param: Tensor) -> None:
+    """Fold ``param.grad`` into ``param.acc_grad`` with unseeded stochastic rounding and drop ``param.grad``."""
+    _fold_grad(param, add_stochastic_)
 
 
 class StochasticAccumulator:
@@ -82,17 +89,13 @@ class SeededStochasticAccumulator:
                 enumerate(params)]
 
     def _accumulate(self, index: int, param: Tensor) -> None:
-        if param.grad is None:
-            return
-        acc = getattr(param, ACC_ATTR, None)
-        if acc is None:
-            setattr(param, ACC_ATTR, param.grad.detach().to(torch.bfloat16, copy=True))
-        else:
+        def add(acc: Tensor, grad: Tensor) -> None:
             count = self._additions.get(index, 0) + 1
             self._additions[index] = count
             generator = seeded_generator(param.device, step_seed(self.seed, self.windows, index, count))
-            add_stochastic_(acc, param.grad.detach(), generator=generator)
-        param.grad = None
+            add_stochastic_(acc, grad, generator=generator)
+
+        _fold_grad(param, add)
 
     def reassign_grad_buffer(self, model: nn.Module) -> None:
         """Move the sums into ``p.grad`` and start the next window."""
