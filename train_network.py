@@ -32,15 +32,15 @@ def _interrupt_on_sigterm() -> None:
 def _prints_errors() -> bool:
     """Under torchrun / accelerate launch every process parses the same flags: their errors are printed (and the log
     file written) by the main process (``RANK`` 0) only. Errors during a run are reported to it
-    (``library/distributed.py``)."""
+    (``library/runtime/processes.py``)."""
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
 def main(argv: list[str] | None = None, family: str = "sd") -> int:
     """Run the trainer for ``family`` ("sd": this script; "sdxl": ``sdxl_train_network.py``)."""
-    from library.cli import parse_args, write_config_file
-    from library.console_log import setup_logging
-    from library.errors import Stopped, TrainingDiverged, UserError
+    from library.base.errors import Stopped, TrainingDiverged, UserError
+    from library.config.cli import parse_args, write_config_file
+    from library.runtime.console_log import setup_logging
 
     setup_logging()
     try:
@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None, family: str = "sd") -> int:
                                 "give --config_file NEW.toml")
             print(f"wrote {write_config_file(cfg.run.config_file, explicit)}")
             return 0
-        from library.host_memory import keep_freed_host_memory, use_huge_pages
-        from library.run import run  # heavy imports (torch, diffusers) only once the flags are valid
+        from library.runtime.host_memory import keep_freed_host_memory, use_huge_pages
+        from library.runtime.run import run  # heavy imports (torch, diffusers) only once the flags are valid
 
         if cfg.precision.mixed_precision == "bf16":
             use_huge_pages()  # before the model is loaded: its first large allocation reads the setting

@@ -95,13 +95,13 @@ def lora_run_args(model: str, data: Path, resolution: int, steps: int, *, rank: 
 
 
 def stamp_updates(stamps: list[float]) -> None:
-    """Make every optimizer update (``library.update.Updater.update``) append its end time to ``stamps``, after a
+    """Make every optimizer update (``library.train.update.Updater.update``) append its end time to ``stamps``, after a
     CUDA synchronisation on a GPU; a child's step times are the differences of consecutive stamps."""
     import time
 
     import torch
 
-    from library.update import Updater
+    from library.train.update import Updater
 
     update, cuda = Updater.update, torch.cuda.is_available()
 

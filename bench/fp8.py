@@ -49,7 +49,7 @@ def parameter_bytes(module) -> int:
 
 def child(argv: list[str]) -> int:
     """``memory_speed``'s child, plus the UNet / text-encoder parameter bytes once the trainer stored them."""
-    from library import model_setup
+    from library.families import model_setup
 
     store = model_setup.store_frozen_fp8
 

@@ -218,10 +218,11 @@ class TrainingProbe:
         self.report: dict[str, float] = {}
 
     def __enter__(self) -> TrainingProbe:
-        from library import models, run
-        from library.update import Updater
+        from library.families.sd import loading
+        from library.runtime import run
+        from library.train.update import Updater
 
-        load, update, loop = models.load_sd_model, Updater.update, run.train_loop
+        load, update, loop = loading.load_sd_model, Updater.update, run.train_loop
         self._originals = load, update, loop
         probe = self
 
@@ -245,15 +246,16 @@ class TrainingProbe:
                 torch.cuda.reset_peak_memory_stats(probe.device)
             return loop(**kwargs)
 
-        # the SD model family loads through library.models.load_sd_model (library/model_family.py)
-        models.load_sd_model, Updater.update, run.train_loop = cached_model, timed_update, measured_loop
+        # the SD model family loads through library.families.sd.loading.load_sd_model (library/families/registry.py)
+        loading.load_sd_model, Updater.update, run.train_loop = cached_model, timed_update, measured_loop
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from library import models, run
-        from library.update import Updater
+        from library.families.sd import loading
+        from library.runtime import run
+        from library.train.update import Updater
 
-        models.load_sd_model, Updater.update, run.train_loop = self._originals
+        loading.load_sd_model, Updater.update, run.train_loop = self._originals
         self.models.clear()
 
     def run(self, argv: list[str]) -> tuple[float, float | None]:

@@ -62,7 +62,7 @@ def child(argv: list[str]) -> int:
 
     sys.path.insert(0, str(ROOT))
     import train_network
-    from library import run
+    from library.runtime import run
 
     cuda = torch.cuda.is_available()
     stamps: list[float] = []

@@ -1,7 +1,7 @@
 """Sample-image benchmark: seconds per sample image on the tiny model and at SD1.5 scale.
 
 Each model gets a LoRA attached as training attaches it (``networks.lora``, dim 4, text encoder and UNet), then
-``library.sampling.SampleImages`` draws one prompt with a negative prompt (CFG 7.5, so the UNet runs a batch of
+``library.sampling.images.SampleImages`` draws one prompt with a negative prompt (CFG 7.5, so the UNet runs a batch of
 2) the given number of times; the time per image covers text encoding, denoising, VAE decoding and writing the
 PNG (the VAE decoding alone is also shown). The first draw (which also imports diffusers' pipeline module and builds
 the pipeline) is reported apart.
@@ -26,17 +26,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import library.sampling  # noqa: E402
-from library.models import load_sd_model  # noqa: E402
-from library.position import Position  # noqa: E402
-from library.precision import PrecisionPolicy  # noqa: E402
-from library.sample_prompts import SamplePlan, SamplePrompt  # noqa: E402
-from library.sampling import SampleImages  # noqa: E402
+import library.sampling.images  # noqa: E402
+from library.families.precision import PrecisionPolicy  # noqa: E402
+from library.families.sd.loading import load_sd_model  # noqa: E402
+from library.sampling.images import SampleImages  # noqa: E402
+from library.sampling.prompts import SamplePlan, SamplePrompt  # noqa: E402
+from library.train.position import Position  # noqa: E402
 from networks.lora import create_network  # noqa: E402
 
 FP32 = PrecisionPolicy(torch.float32, torch.float32, torch.float32, None, False)
 DECODE_SECONDS: list[float] = []
-_decode = library.sampling.latents_to_image
+_decode = library.sampling.images.latents_to_image
 
 
 def timed_decode(vae, latents):
@@ -47,7 +47,7 @@ def timed_decode(vae, latents):
     return image
 
 
-library.sampling.latents_to_image = timed_decode
+library.sampling.images.latents_to_image = timed_decode
 
 
 class NoTracker:

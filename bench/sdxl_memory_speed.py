@@ -1,7 +1,8 @@
 """Peak memory and step time of ``sdxl_train_network.py`` at real SDXL scale, ours and upstream's side by side.
 
 Model: ``builtin:sdxl-random`` (the real SDXL 1.0 architecture with random weights, made directly in the frozen
-weight dtype); for upstream the same weights as an SGM single file (``library.sdxl_single_file``, bf16, made once in
+weight dtype); for upstream the same weights as an SGM single file (``library.families.sdxl.single_file``, bf16, made
+once in
 ``--work``). LoRA rank 16 alpha 8 on the U-Net (``--network_train_unet_only`` in every row, so that cached and live
 text encoder outputs do the same work), batch 1, latents cached, the 8 sample images resized to ``--resolution``.
 Rows: fp32 + AdamW, mixed bf16 + AdamW, full bf16 + StochasticAdamW, each with and without
@@ -52,8 +53,8 @@ BUILD = """
 import sys
 from pathlib import Path
 import torch
-from library.sdxl_models import build_builtin_sdxl
-from library.sdxl_single_file import save_sdxl_checkpoint
+from library.families.sdxl.loading import build_builtin_sdxl
+from library.families.sdxl.single_file import save_sdxl_checkpoint
 save_sdxl_checkpoint(build_builtin_sdxl("builtin:sdxl-random", seed=0, dtype=torch.bfloat16), Path(sys.argv[1]),
                      config_name="sdxl")
 """

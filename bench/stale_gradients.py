@@ -3,7 +3,8 @@
 A fixed LoRA fine-tuning task on the tiny SD1.5-shaped model (``builtin:tiny-sd15``): the 8 images of
 ``configs/sample_data/10_shapes`` centre-cropped to 64 px, encoded once by the tiny VAE (8x8 latents, cached), U-Net
 LoRA only (rank 8, alpha 8, all 192 modules), every step one batch of all 8 latents with fresh noise and timesteps
-from ``library.step.BatchLoss`` (eps-prediction MSE), gradient clipping at 1.0, constant LR after a linear warm-up,
+from ``library.train.batch_loss.BatchLoss`` (eps-prediction MSE), gradient clipping at 1.0, constant LR after a linear
+warm-up,
 weight decay 0. The frozen model and the loss stay fp32 in every run; only the LoRA weights (hence their gradients
 and the optimizer state) are bf16 in the bf16 runs, so the differences come from storing the trained weights in bf16.
 Runs: fp32 ``torch.optim.AdamW`` (the reference), bf16 ``torch.optim.AdamW`` (round-to-nearest write-back), and the
@@ -45,9 +46,9 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from library.config import LossConfig, NoiseConfig  # noqa: E402
-from library.precision import PrecisionPolicy  # noqa: E402
-from library.step import BatchLoss  # noqa: E402
+from library.families.precision import PrecisionPolicy  # noqa: E402
 from library.tiny_model import build_tiny_sd15  # noqa: E402
+from library.train.batch_loss import BatchLoss  # noqa: E402
 from networks.lora import create_network  # noqa: E402
 from optimizers import build_optimizer  # noqa: E402
 

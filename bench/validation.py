@@ -39,7 +39,7 @@ def child(argv: list[str]) -> int:
     """``train_network.main(argv)`` with the updates stamped and the validations timed; one JSON line at exit."""
     sys.path.insert(0, str(ROOT))
     import train_network
-    from library.validation import Validation
+    from library.train.validation import Validation
 
     stamps: list[float] = []
     validations: list[float] = []

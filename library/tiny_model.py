@@ -23,8 +23,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from library.model_parts import SDModel, force_offline
-from library.models import BUILTIN_MODELS, BUILTIN_TINY, build_builtin
+from library.families.sd.loading import BUILTIN_MODELS, BUILTIN_TINY, build_builtin
+from library.families.sd.parts import SDModel, force_offline
 
 
 def build_tiny_sd15(seed: int = 0) -> SDModel:
@@ -57,7 +57,7 @@ def save_diffusers_folder(model: SDModel, out_dir: Path) -> None:
 
 def write_tiny_model(out_dir: Path, seed: int = 0) -> SDModel:
     """Write the tiny model to ``out_dir`` as a diffusers folder plus ``model.safetensors`` (LDM layout)."""
-    from library.single_file import save_checkpoint
+    from library.families.sd.single_file import save_checkpoint
 
     force_offline()
     model = build_tiny_sd15(seed)
@@ -81,8 +81,8 @@ def save_sdxl_diffusers_folder(model, out_dir: Path) -> None:
 
 def write_tiny_sdxl(out_dir: Path, seed: int = 0):
     """Write ``builtin:tiny-sdxl`` to ``out_dir`` as a diffusers folder plus ``model.safetensors`` (SGM layout)."""
-    from library.sdxl_models import BUILTIN_SDXL_MODELS, BUILTIN_TINY_SDXL, build_builtin_sdxl
-    from library.sdxl_single_file import save_sdxl_checkpoint
+    from library.families.sdxl.loading import BUILTIN_SDXL_MODELS, BUILTIN_TINY_SDXL, build_builtin_sdxl
+    from library.families.sdxl.single_file import save_sdxl_checkpoint
 
     force_offline()
     model = build_builtin_sdxl(BUILTIN_TINY_SDXL, seed)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from library.errors import UserError, did_you_mean
+from library.base.errors import UserError, did_you_mean
 from networks.families import SD_BLOCKS, BlockLayout
 
 LR_WEIGHT_PRESETS = ("cosine", "sine", "linear", "reverse_linear", "zeros")

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from library.errors import UserError
-from library.files import write_bytes_atomic, write_file_atomic
+from library.base.errors import UserError
+from library.base.files import write_bytes_atomic, write_file_atomic
 from networks.args import LoRAArgs, network_metadata, parse_network_args
 from networks.families import family_of, unet_module_names
 from networks.lora_modules import (
@@ -395,7 +395,7 @@ def cast_for_saving(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype |
 
 def save_weights_file(state_dict: Mapping[str, torch.Tensor], file: str | os.PathLike[str],
                       metadata: Mapping[str, str] | None) -> None:
-    """Write through a temporary sibling and a rename (``library.files``), so that a crash never leaves a
+    """Write through a temporary sibling and a rename (``library.base.files``), so that a crash never leaves a
     half-written LoRA; the file gets the usual permissions (0666 less the umask)."""
     path = Path(os.fspath(file))
     if path.suffix == ".safetensors":

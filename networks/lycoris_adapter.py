@@ -51,7 +51,7 @@ import torch
 from lycoris import kohya
 from torch import nn
 
-from library.errors import UserError
+from library.base.errors import UserError
 from networks.args import parse_probability
 from networks.families import is_sdxl_unet
 from networks.lora import cast_for_saving, save_weights_file

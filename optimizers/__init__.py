@@ -6,8 +6,6 @@
 * In-project optimizers with native stochastic rounding on bf16: ``StochasticAdamW`` (also exported as ``AdamW``, the
   Torchastic name), ``Compass``, ``SPARKLES``; ``StochasticAccumulator`` for bf16 gradient accumulation, so seed 000's
   ``from optimizers import AdamW, StochasticAccumulator`` works.
-* For the trainer: ``effective_lrs``, ``startup_warnings``, ``needs_adafactor_scheduler``,
-  ``build_adafactor_schedule``.
 
 Names are matched case-insensitively; a dotted ``module.Class`` is imported and called as ``Class(params, lr=lr,
 **options)`` like sd-scripts does. Optimizer packages are imported only when an optimizer needs them. Errors are
@@ -27,7 +25,6 @@ from torch.optim import Optimizer
 from optimizers import tables
 from optimizers.accumulate import StochasticAccumulator
 from optimizers.adamw import StochasticAdamW
-from optimizers.advice import adafactor_relative, startup_warnings_for_spec
 from optimizers.compass import Compass
 from optimizers.factories import (
     BITSANDBYTES,
@@ -39,7 +36,6 @@ from optimizers.factories import (
     adafactor_factory,
     import_class,
 )
-from optimizers.lr import effective_lrs
 from optimizers.options import parse_optimizer_args, resolve_options
 from optimizers.rounding import add_stochastic_, copy_stochastic_, stochastic_round
 from optimizers.sparkles import SPARKLES
@@ -343,34 +339,6 @@ def build_optimizer(name: str | None, param_groups: Iterable[Any], lr: float | N
     )
 
 
-def needs_adafactor_scheduler(name: str | None, options: Mapping[str, Any]) -> bool:
-    """True for Adafactor in relative-step mode (the default, as in kohya): use ``build_adafactor_schedule``."""
-    spec = find_spec(name)
-    return spec is not None and spec.name == "Adafactor" and adafactor_relative(resolve_options(spec, options))
-
-
-def build_adafactor_schedule(optimizer: Optimizer, initial_lr: float = 0.0) -> Any:
-    """transformers' AdafactorSchedule (``adafactor:<initial_lr>``), reporting effective LRs; imports transformers."""
-    from optimizers.adafactor import build_adafactor_schedule as build
-
-    return build(optimizer, initial_lr)
-
-
-def startup_warnings(
-    spec_or_name: OptimizerSpec | str | None, options: Mapping[str, Any], group_lrs: list[float],
-    lr_warmup_steps: int, full_bf16: bool,
-) -> list[str]:
-    """Warnings to print before training: LR of LR-free optimizers, warmup for Compass/SPARKLES, bf16 without SR."""
-    spec = spec_or_name if isinstance(spec_or_name, OptimizerSpec) else find_spec(spec_or_name)
-    if spec is None:
-        if not full_bf16:
-            return []
-        message = (f"--full_bf16 with {spec_or_name}: make sure it rounds bf16 updates stochastically, or use one "
-                   f"of {', '.join(SR_NATIVE_NAMES)}")
-        return [message]
-    return startup_warnings_for_spec(spec, options, group_lrs, lr_warmup_steps, full_bf16, SR_NATIVE_NAMES)
-
-
 __all__ = [
     "REGISTRY",
     "SPARKLES",
@@ -383,14 +351,10 @@ __all__ = [
     "StochasticAdamW",
     "StochasticRoundingWrapper",
     "add_stochastic_",
-    "build_adafactor_schedule",
     "build_optimizer",
     "copy_stochastic_",
-    "effective_lrs",
     "find_spec",
-    "needs_adafactor_scheduler",
     "parse_optimizer_args",
-    "startup_warnings",
     "stochastic_round",
     "validate_options",
 ]

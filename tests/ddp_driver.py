@@ -6,7 +6,7 @@
 ``PLAN.json`` lists runs ``{"name", "args", "inject"}`` (``"family": "sdxl"``: ``sdxl_train_network.py``). For each
 run every process writes ``OUT/<name>/rank<r>.json`` (exit code, the lines it printed on stderr, which updates were
 applied) and ``rank<r>.safetensors`` (its network's weights at the end). One process group (made here, adopted by
-``library/distributed.py``) serves all runs.
+``library/runtime/processes.py``) serves all runs.
 
 Injections (``inject``): ``{"rank": r, "calls": [i, ...], "what": "nan" | "user_error" | "sigterm"}`` makes the
 ``i``-th loss computation (0-based, counted per process and run) of process ``r`` return NaN, raise a UserError, or
@@ -33,11 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import library.run  # noqa: E402
-import library.step  # noqa: E402
+import library.runtime.run  # noqa: E402
+import library.train.batch_loss  # noqa: E402
 import train_network  # noqa: E402
-from library import network_setup  # noqa: E402
-from library.errors import UserError  # noqa: E402
+from library.base.errors import UserError  # noqa: E402
+from library.train import network_setup  # noqa: E402
 
 
 class Recorder:
@@ -60,9 +60,9 @@ def _image_generators(paths: list[str], call: int) -> list[torch.Generator]:
 @contextlib.contextmanager
 def patched(inject: dict, recorder: Recorder):
     """The run's patches (see the module docstring), undone afterwards."""
-    originals = {"BatchLoss": library.run.BatchLoss, "Updater": library.run.Updater,
-                 "build_network": network_setup.build_network, "sample_noise": library.step.sample_noise,
-                 "sample_timesteps": library.step.sample_timesteps}
+    originals = {"BatchLoss": library.runtime.run.BatchLoss, "Updater": library.runtime.run.Updater,
+                 "build_network": network_setup.build_network, "sample_noise": library.train.batch_loss.sample_noise,
+                 "sample_timesteps": library.train.batch_loss.sample_timesteps}
     rank = int(os.environ.get("RANK", "0"))
     calls = {"n": 0}
     current: dict[str, list[torch.Generator]] = {}
@@ -106,17 +106,17 @@ def patched(inject: dict, recorder: Recorder):
     def timesteps(batch_size, cfg, generator, device, *args):
         return torch.cat([torch.randint(0, 1000, (1,), generator=g) for g in current["generators"]]).to(device)
 
-    library.run.BatchLoss, library.run.Updater = InjectingLoss, RecordingUpdater
+    library.runtime.run.BatchLoss, library.runtime.run.Updater = InjectingLoss, RecordingUpdater
     network_setup.build_network = build_network
     if inject.get("noise_by_image"):
-        library.step.sample_noise, library.step.sample_timesteps = noise, timesteps
+        library.train.batch_loss.sample_noise, library.train.batch_loss.sample_timesteps = noise, timesteps
     try:
         yield
     finally:
-        library.run.BatchLoss, library.run.Updater = originals["BatchLoss"], originals["Updater"]
+        library.runtime.run.BatchLoss, library.runtime.run.Updater = originals["BatchLoss"], originals["Updater"]
         network_setup.build_network = originals["build_network"]
-        library.step.sample_noise = originals["sample_noise"]
-        library.step.sample_timesteps = originals["sample_timesteps"]
+        library.train.batch_loss.sample_noise = originals["sample_noise"]
+        library.train.batch_loss.sample_timesteps = originals["sample_timesteps"]
 
 
 def run_one(args: list[str], inject: dict, out: Path, rank: int, family: str = "sd") -> None:

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from library.cli import parse_args
 from library.config import validate
+from library.config.cli import parse_args
 from library.data import build_train_data
-from library.model_family import model_family
-from library.optimizer_setup import check_optimizer
+from library.families.registry import model_family
+from library.train.optimizer_setup import check_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING_CONFIGS = sorted((ROOT / "configs").rglob("*.toml"))

@@ -8,10 +8,10 @@ import torch
 from safetensors import safe_open
 
 import train_network
-from library.cli import parse_args
+from library.base.errors import UserError
 from library.config import DataConfig, validate
+from library.config.cli import parse_args
 from library.data import build_train_data
-from library.errors import UserError
 
 HERE = "tests.test_dataset_class"
 
@@ -169,7 +169,7 @@ def test_debug_dataset_with_a_class(tmp_path, capsys):
 def test_token_ids_win_over_captions_except_with_weighted_captions():
     from types import SimpleNamespace
 
-    from library.step import BatchLoss
+    from library.train.batch_loss import BatchLoss
 
     batch = {"input_ids": torch.zeros(1, 77, dtype=torch.long), "captions": ["a (cat:1.2)"]}
     fake = SimpleNamespace(weighted_captions=False, encode_ids=lambda ids: "ids", conditioning=lambda c: "captions")

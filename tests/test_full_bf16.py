@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import train_network
-from library.step import BatchLoss
+from library.train.batch_loss import BatchLoss
 from tests.test_train_network import SAMPLES, train_args
 
 

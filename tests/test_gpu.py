@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import train_network
-from library.finite import all_finite, non_finite_names
-from library.readout import Readout, to_device
+from library.train.finite import all_finite, non_finite_names
+from library.train.readout import Readout, to_device
 from tests.test_loop_syncs import count_syncs
 from tests.test_train_network import train_args
 

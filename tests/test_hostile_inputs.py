@@ -50,7 +50,8 @@ def test_network_weights_of_another_architecture_is_not_zero_keys_and_exit_0(tmp
 def test_truncated_network_weights_before_the_model_loads(tmp_path, capsys, rank8_lora, monkeypatch):
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(rank8_lora.read_bytes()[:4096])
-    from library import model_setup
+
+    from library.families import model_setup
 
     monkeypatch.setattr(model_setup, "load_model", lambda *a: pytest.fail("the model loaded first"))
     _fails(capsys, train_args(tmp_path / "out", "--network_weights", str(cut)), "cut.safetensors: cannot be read")
@@ -59,7 +60,8 @@ def test_truncated_network_weights_before_the_model_loads(tmp_path, capsys, rank
 def test_output_dir_that_is_a_file_before_the_model_loads(tmp_path, capsys, monkeypatch):
     file = tmp_path / "out"
     file.write_text("not a folder")
-    from library import model_setup
+
+    from library.families import model_setup
 
     monkeypatch.setattr(model_setup, "load_model", lambda *a: pytest.fail("the model loaded first"))
     _fails(capsys, train_args(file), f"--output_dir {file}: cannot create or write files there")

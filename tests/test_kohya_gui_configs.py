@@ -39,9 +39,9 @@ from PIL import Image
 from safetensors import safe_open
 
 import train_network
-from library.cli import parse_args
+from library.base.errors import UserError
 from library.config import validate
-from library.errors import UserError
+from library.config.cli import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 GUI_DIR = ROOT / "tests" / "data" / "kohya_gui"
@@ -137,7 +137,7 @@ def test_there_is_a_file_per_sd15_preset_and_the_default_state():
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n not in NOT_READ])
 def test_parses_and_validates(name, tmp_path, images, caplog):
     file = materialise(name, tmp_path / "cfg", images)
-    with caplog.at_level(logging.INFO, logger="library.cli"):
+    with caplog.at_level(logging.INFO, logger="library.config.cli"):
         cfg, _ = parse_args(["--config_file", str(file)])
     gui_lines = [r.getMessage() for r in caplog.records if "kohya_ss GUI field" in r.getMessage()]
     assert len(gui_lines) == 1

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 import train_network
-from library import run, step
-from library import train as train_module
-from library.step import BatchLoss
-from library.update import Updater
+from library.runtime import run
+from library.train import batch_loss
+from library.train import loop as train_module
+from library.train.batch_loss import BatchLoss
+from library.train.update import Updater
 from tests.sync_counter import SyncCounter, device_copy
 from tests.test_train_network import train_args
 
@@ -35,7 +36,7 @@ def counting(monkeypatch) -> Iterator[tuple[list[list[str]], list[list[str]]]]:
     marks = {"window": 0, "micro": 0}
     loss, backward, update, loop, iterate = (BatchLoss.__call__, Updater.backward, Updater.update, run.train_loop,
                                              train_module._iterate)
-    to_device = step.to_device
+    to_device = batch_loss.to_device
 
     def counted_loss(self, batch):
         marks["micro"] = len(counter.syncs)
@@ -69,7 +70,7 @@ def counting(monkeypatch) -> Iterator[tuple[list[list[str]], list[list[str]]]]:
     monkeypatch.setattr(Updater, "update", counted_update)
     monkeypatch.setattr(run, "train_loop", counted_loop)
     monkeypatch.setattr(train_module, "_iterate", loading_paused)
-    monkeypatch.setattr(step, "to_device", lambda tensor, device: device_copy(to_device(tensor, device)))
+    monkeypatch.setattr(batch_loss, "to_device", lambda tensor, device: device_copy(to_device(tensor, device)))
     yield micro, windows
 
 

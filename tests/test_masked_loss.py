@@ -12,10 +12,10 @@ from safetensors import safe_open
 
 import train_network
 from library.config import LossConfig, ModelConfig, NetworkConfig, NoiseConfig, PrecisionConfig
-from library.model_setup import load_model
-from library.network_setup import build_network
-from library.precision import precision_policy
-from library.step import BatchLoss
+from library.families.model_setup import load_model
+from library.families.precision import precision_policy
+from library.train.batch_loss import BatchLoss
+from library.train.network_setup import build_network
 from tests.test_train_network import train_args
 
 torch.set_num_threads(1)

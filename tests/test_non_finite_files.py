@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import train_network
-from library.checkpoint import Saver
-from library.step import BatchLoss
+from library.saving.lora_files import Saver
+from library.train.batch_loss import BatchLoss
 from tests.test_train_network import train_args
 
 FP16_OVERFLOW = ("--mixed_precision", "fp16", "--full_fp16", "--learning_rate", "1e5")

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 import train_network
-from library import model_setup
-from library.step import BatchLoss
+from library.families import model_setup
+from library.train.batch_loss import BatchLoss
 from tests.library.test_files import HOLDER
 from tests.test_train_network import SAMPLES, train_args
 

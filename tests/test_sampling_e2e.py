@@ -104,13 +104,13 @@ def test_epochs_win_over_steps(tmp_path):
 
 
 def test_bad_prompt_file_stops_before_anything_loads(tmp_path, capsys, monkeypatch):
-    import library.run
+    import library.runtime.run
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("loaded before the prompt file was checked")
 
-    monkeypatch.setattr(library.run, "build_train_data", must_not_run)
-    monkeypatch.setattr(library.run.model_setup, "load_model", must_not_run)
+    monkeypatch.setattr(library.runtime.run, "build_train_data", must_not_run)
+    monkeypatch.setattr(library.runtime.run.model_setup, "load_model", must_not_run)
     prompts = tmp_path / "p.txt"
     prompts.write_text("fine --w 64\nbad --x 3 --s many\n", encoding="utf-8")
     out = tmp_path / "out"
@@ -129,7 +129,7 @@ def test_missing_prompt_file_is_named(tmp_path, capsys):
 
 
 def test_no_pipeline_import_without_sampling():
-    code = ("import sys; import library.run; "
+    code = ("import sys; import library.runtime.run; "
             "print(any(m.startswith(('diffusers.pipelines', 'diffusers.schedulers.scheduling_')) "
             "for m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

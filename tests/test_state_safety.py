@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import train_network
-from library import model_setup
+from library.families import model_setup
 from library.tiny_model import build_tiny_sd15, save_diffusers_folder
 from tests.test_train_network import SAMPLES, train_args
 
@@ -215,7 +215,7 @@ def test_a_longer_run_is_allowed(good_state, tmp_path):
 
 def test_legacy_state_of_another_optimizer_is_refused(good_state, tmp_path, capsys):
     """A state.pt of the earlier format has no trajectory record; the optimizer's group options still differ."""
-    from library.state_file import read_state
+    from library.saving.state_file import read_state
 
     saved = read_state(str(good_state))
     legacy = tmp_path / "legacy-state"

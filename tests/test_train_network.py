@@ -147,7 +147,7 @@ def test_misspelled_config_key(tmp_path, capsys):
 
 
 def test_help_and_config_errors_do_not_import_torch():
-    code = ("import sys; import train_network; from library import cli, config; "
+    code = ("import sys; import train_network; from library.config import cli; "
             "cli.build_parser().format_help(); print('torch' in sys.modules, 'diffusers' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert result.stdout.strip() == "False False"

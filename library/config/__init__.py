@@ -1,7 +1,7 @@
 """Typed training configuration, one module per section.
 
 Each section is a dataclass whose field names are the sd-scripts flag names (``dest`` form), so that a kohya
-command line or ``--config_file`` TOML maps onto it one to one. The CLI (``library/cli.py``) is generated from
+command line or ``--config_file`` TOML maps onto it one to one. The CLI (``library/config/cli.py``) is generated from
 these fields: the default, type and help text of a flag live in its section module and nowhere else. Only
 ``run()`` sees the whole ``TrainConfig``; every stage receives its own section. A flag's code is found from its
 section: ``--sample_prompts`` is ``SampleConfig`` in ``library/config/sample.py`` and ``cfg.sample`` in ``run()``.
@@ -9,6 +9,7 @@ section: ``--sample_prompts`` is ``SampleConfig`` in ``library/config/sample.py`
 This package imports nothing heavy: ``--help`` and config errors must answer instantly.
 """
 
+from library.config.checks import validate
 from library.config.data import DataConfig
 from library.config.distributed import DistributedConfig
 from library.config.fields import flag, parse_float_pair, parse_resolution, parse_steps_or_ratio
@@ -35,7 +36,6 @@ from library.config.sections import (
     public_snapshot,
 )
 from library.config.unavailable import UnavailableConfig
-from library.config.validate import validate
 from library.config.validation import ValidationConfig
 
 __all__ = [

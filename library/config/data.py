@@ -1,6 +1,6 @@
 """Where images and captions come from and how they are transformed (sd-scripts' dataset flags).
 
-These are also the command-line fallbacks of ``--dataset_config`` keys (``library/dataset_config.py``).
+These are also the command-line fallbacks of ``--dataset_config`` keys (``library/config/dataset.py``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from library.config.fields import flag
 @dataclass
 class DistributedConfig:
     """torch.distributed options of a run started on several processes by accelerate launch or torchrun
-    (``library/distributed.py``). There is no DDP wrapper: the LoRA is patched into the frozen model, so its
+    (``library/runtime/processes.py``). There is no DDP wrapper: the LoRA is patched into the frozen model, so its
     gradients are averaged by hand once per update, as sd-scripts' ``train_network.py`` does."""
 
     ddp_timeout: int | None = flag(

@@ -1,7 +1,7 @@
 """How a config field is declared, and the value parsers that flags and TOML keys share.
 
 A field declared with ``flag`` is also the command-line flag ``--<name>``; its help text, default, choices and
-parser live in the field's metadata, and ``library/cli.py`` builds argparse from it. ``parse`` converts a
+parser live in the field's metadata, and ``library/config/cli.py`` builds argparse from it. ``parse`` converts a
 command-line string, and the same function converts a TOML value, so both forms accept the same things.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import field
 from typing import Any
 
-from library.errors import UserError
+from library.base.errors import UserError
 
 
 def flag(default: Any, help: str, *, choices: tuple[Any, ...] | None = None,

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from library.base.errors import UserError
 from library.config.fields import flag
-from library.errors import UserError
 
 # Options of torch's SummaryWriter that a [tensorboard] table of --log_tracker_config may set (log_dir is the
 # trainer's: --logging_dir/--log_prefix).

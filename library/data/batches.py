@@ -12,7 +12,7 @@ channel with ``alpha_mask``, or its mask image from ``conditioning_data_dir``), 
 [B, H, W] float32 in [0, 1] at the bucket size; images without a mask get ones. A mask is cut by the same
 placement as its image (bucket resize and crop, random crop, face crop) and flipped with it; with cached latents an
 alpha mask comes from the cache and a mask image is placed as the cached image was (centred in the bucket).
-Every batch also carries SDXL's ``size_conditions`` [B, 6] (``library/size_conditioning.py``; SD 1.x/2.x ignore
+Every batch also carries SDXL's ``size_conditions`` [B, 6] (``library/data/size_conditions.py``; SD 1.x/2.x ignore
 them) and, with cached text encoder outputs, ``text_outputs`` (a dict of [B, ...] float32 tensors).
 
 Difference, on purpose: sd-scripts stretches a conditioning image straight to the bucket size, so with an aspect
@@ -29,10 +29,12 @@ from typing import TypeVar
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from library.base.errors import UserError
 from library.data import latent_cache, text_cache
 from library.data.captions import CaptionState, process_caption
 from library.data.images import BrokenImage, check_scanned_size, load_image, load_image_with_alpha, load_mask_image
 from library.data.prepare import ImageItem, PreparedDataset
+from library.data.size_conditions import image_size_condition
 from library.data.transforms import (
     Placement,
     bucket_placement,
@@ -43,8 +45,6 @@ from library.data.transforms import (
     place,
     to_tensor,
 )
-from library.errors import UserError
-from library.size_conditioning import image_size_condition
 
 T = TypeVar("T")
 
@@ -244,7 +244,8 @@ def _decoded(path: str, loader: Callable[[str], T]) -> T:
 
 class EpochSampler(Sampler):
     """Yields the ``BatchKey``s of the current epoch from ``state.first_batch`` on; reads epoch and step from ``state``
-    when iterated. ``library/distributed.py`` deals its positions out to several processes (``keys``, ``start``)."""
+    when iterated. ``library/runtime/processes.py`` deals its positions out to several processes (``keys``,
+    ``start``)."""
 
     def __init__(self, state: object, length: int) -> None:
         self.state = state

@@ -13,7 +13,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from library.dataset_config import SubsetSpec
+from library.config.dataset import SubsetSpec
 
 _WILDCARD = re.compile(r"\{([^}]+)\}")
 

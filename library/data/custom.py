@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from library.base.errors import UserError
 from library.config import DataConfig
-from library.errors import UserError
 
 CHUNK = 77
 
@@ -95,7 +95,7 @@ class _ShuffledEpoch(Sampler):
         return self.progress.first_batch
 
     def keys(self, positions: Iterable[int]) -> Iterator[_Key]:
-        """The keys at ``positions`` of the current epoch's order (``library/distributed.py`` deals them out)."""
+        """The keys at ``positions`` of the current epoch's order (``library/runtime/processes.py`` deals them out)."""
         p = self.progress
         order = list(range(self.length))
         random.Random(self.seed + p.epoch).shuffle(order)
@@ -284,8 +284,8 @@ class CustomData:
 def build_custom_data(data: DataConfig, *, seed: int, max_token_length: int | None, v2: bool,
                       masked_loss: bool = False) -> CustomData:
     """Import and construct ``--dataset_class`` as sd-scripts does; check its first batch."""
-    from library.model_parts import load_tokenizer
-    from library.text_encoding import num_chunks
+    from library.families.sd.parts import load_tokenizer
+    from library.families.sd.text_encoding import num_chunks
 
     cls = load_dataset_class(data.dataset_class)
     try:

@@ -13,18 +13,18 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from library.base.errors import UserError
 from library.config import DataConfig
+from library.config.dataset import DatasetGroupSpec, SubsetSpec, load_dataset_specs
 from library.data import latent_cache, text_cache
 from library.data.batches import BatchKey, BatchSource, EpochSampler, LatentStore, TextOutputStore
 from library.data.buckets import crop_ltrb
 from library.data.captions import CaptionState, process_caption
+from library.data.dataset_metadata import dataset_metadata
 from library.data.images import check_scanned_size, load_image, load_image_with_alpha
-from library.data.metadata import dataset_metadata
 from library.data.prepare import PreparedDataset, prepare_datasets
 from library.data.transforms import bucket_placement, mask_tensor, place, to_tensor
-from library.dataset_config import DatasetGroupSpec, SubsetSpec, load_dataset_specs
-from library.errors import UserError
-from library.fs_checks import write_problem
+from library.runtime.fs_checks import write_problem
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class TrainData:
 
     def shard(self, share: Callable[[Sampler], Sampler]) -> None:
         """Load only this process's share of each epoch: ``share`` wraps the epoch sampler
-        (``library/distributed.py``)."""
+        (``library/runtime/processes.py``)."""
         self._share = share
 
     def dataloader(self, num_workers: int | None = None, pin_memory: bool | None = None) -> DataLoader:

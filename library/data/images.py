@@ -14,7 +14,7 @@ from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from library.errors import UserError
+from library.base.errors import UserError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 INFO_CACHE_FILE = "metadata_cache.json"  # library/data/info_cache.py

@@ -25,8 +25,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from library.base.files import write_bytes_atomic
 from library.data.images import INFO_CACHE_FILE
-from library.files import write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 

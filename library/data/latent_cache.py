@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from library.errors import UserError
-from library.files import write_file_atomic
+from library.base.errors import UserError
+from library.base.files import write_file_atomic
 
 CACHE_KEY = "sdsb_cache_key"
 LATENT_CHANNELS = 4

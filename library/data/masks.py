@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from library.config.dataset import SubsetSpec
 from library.data.images import BrokenImage, image_size, list_images
-from library.dataset_config import SubsetSpec
 
 logger = logging.getLogger(__name__)
 

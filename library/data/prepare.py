@@ -13,6 +13,8 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from library.base.errors import UserError
+from library.config.dataset import DatasetSpec, SubsetSpec
 from library.data import info_cache
 from library.data.buckets import (
     BucketChoice,
@@ -31,11 +33,9 @@ from library.data.images import (
     read_caption,
     stored_size,
 )
+from library.data.in_json import read_metadata_subset
 from library.data.masks import match_mask_images
-from library.data.metadata_file import read_metadata_subset
 from library.data.split import Part, split_part, split_report
-from library.dataset_config import DatasetSpec, SubsetSpec
-from library.errors import UserError
 
 logger = logging.getLogger(__name__)
 

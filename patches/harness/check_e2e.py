@@ -9,9 +9,10 @@ Usage (cwd: the patched upstream tree, PYTHONPATH: this folder, python: one with
     check_e2e.py WORK_DIR [--sdxl]
 
 1. The model: this project's ``build_builtin("builtin:sd15-random")`` (random init from the bundled SD1.5 config),
-   written by ``library.single_file.save_checkpoint`` as an fp16 single file in the original LDM layout, which
+   written by ``library.families.sd.single_file.save_checkpoint`` as an fp16 single file in the original LDM layout,
+   which
    upstream's ``load_models_from_stable_diffusion_checkpoint`` reads (SDXL: ``builtin:sdxl-random`` made in bf16 and
-   written by ``library.sdxl_single_file.save_sdxl_checkpoint`` in the SGM layout, which upstream's
+   written by ``library.families.sdxl.single_file.save_sdxl_checkpoint`` in the SGM layout, which upstream's
    ``load_models_from_sdxl_checkpoint`` reads). This runs with the project's python
    (``SD_CHECK_PROJECT_PYTHON``, default ``.venv/bin/python`` of this checkout); ``SD_CHECK_E2E_MODEL=FILE`` reuses a
    file made that way instead (about 2 GB, 30 s to make).
@@ -50,16 +51,16 @@ BUILD_MODEL = """
 import sys
 from pathlib import Path
 import torch
-from library.models import build_builtin
-from library.single_file import save_checkpoint
+from library.families.sd.loading import build_builtin
+from library.families.sd.single_file import save_checkpoint
 save_checkpoint(build_builtin("builtin:sd15-random", seed=0), Path(sys.argv[1]), dtype=torch.float16)
 """
 BUILD_SDXL_MODEL = """
 import sys
 from pathlib import Path
 import torch
-from library.sdxl_models import build_builtin_sdxl
-from library.sdxl_single_file import save_sdxl_checkpoint
+from library.families.sdxl.loading import build_builtin_sdxl
+from library.families.sdxl.single_file import save_sdxl_checkpoint
 model = build_builtin_sdxl("builtin:sdxl-random", seed=0, dtype=torch.bfloat16)
 save_sdxl_checkpoint(model, Path(sys.argv[1]), config_name="sdxl")
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from library.model_parts import load_tokenizer
+from library.families.sd.parts import load_tokenizer
 
 
 @pytest.fixture(scope="module")

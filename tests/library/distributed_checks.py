@@ -1,8 +1,8 @@
-"""Checks of ``library/distributed.py`` run in each of 2 processes (torchrun, gloo) by ``test_distributed.py``.
+"""Checks of ``library/runtime/processes.py`` run in each of 2 processes (torchrun, gloo) by ``test_distributed.py``.
 
 Each process writes ``<out>/rank<r>.json``: for every check its observations (values, exceptions, exit codes); the
 test compares them across processes and with hand-computed values. One process group serves all checks (made here,
-adopted by ``distributed.start``), so one launch runs them all.
+adopted by ``processes.start``), so one launch runs them all.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from library import distributed
+from library.base.errors import Stopped, TrainingDiverged, UserError
 from library.config.distributed import DistributedConfig
-from library.errors import Stopped, TrainingDiverged, UserError
-from library.position import Position, SaveHooks
+from library.runtime import processes
+from library.train.position import Position, SaveHooks
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
@@ -27,14 +27,14 @@ RANK = dist.get_rank()
 results: dict[str, object] = {}
 
 
-def processes() -> distributed.Processes:
-    return distributed.start(DistributedConfig())
+def start_processes() -> processes.Processes:
+    return processes.start(DistributedConfig())
 
 
 def outcome(body) -> dict[str, object]:
     """Run ``body`` inside a Processes context; what came out of it."""
     try:
-        with processes() as p:
+        with start_processes() as p:
             value = body(p)
     except Stopped as exc:
         return {"stopped": exc.exit_code, "lines": exc.lines}
@@ -52,13 +52,13 @@ def check(name):
 
 @check("seed")
 def _():
-    p = processes()
+    p = start_processes()
     return {"drawn": p.decide_seed(None), "given": p.decide_seed(1234), "process_seed": p.process_seed(7)}
 
 
 @check("fp32_mean")
 def _():
-    p = processes()
+    p = start_processes()
     both = torch.nn.Parameter(torch.zeros(3))
     only_rank0 = torch.nn.Parameter(torch.zeros(2))
     nowhere = torch.nn.Parameter(torch.zeros(2))
@@ -74,7 +74,7 @@ def _():
 
 @check("bf16_exact")
 def _():
-    p = processes()
+    p = start_processes()
     param = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
     # both exact in bf16 (spacing 2^-7 above 1); so is their mean 1 + 2^-7: rounding must keep it
     param.grad = torch.full((64,), 1.0 if RANK == 0 else 1.0 + 2**-6, dtype=torch.bfloat16)
@@ -84,7 +84,7 @@ def _():
 
 @check("bf16_stochastic")
 def _():
-    p = processes()
+    p = start_processes()
     n = 1 << 14
     param = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16))
     # rank 0 sends 1 - 2^-8, rank 1 sends 1 + 2^-6 (both exact in bf16); their fp32 mean 1 + 3 * 2^-9 lies 3/4 of the
@@ -95,12 +95,12 @@ def _():
     reducer.reduce(torch.tensor(True))
     values = param.grad.float()
     return {"mean": values.mean().item(), "unique": sorted(values.unique().tolist()),
-            "digest": distributed.fingerprint([param.grad]), "dtype": str(param.grad.dtype)}
+            "digest": processes.fingerprint([param.grad]), "dtype": str(param.grad.dtype)}
 
 
 @check("broadcast")
 def _():
-    p = processes()
+    p = start_processes()
     weights = [torch.full((4,), float(RANK + 1)), torch.full((2, 2), 10.0 * (RANK + 1), dtype=torch.bfloat16)]
     p.broadcast_from_main(weights)
     return [w.float().tolist() for w in weights]
@@ -168,7 +168,7 @@ class Progress:
 def _():
     from library.data.batches import EpochSampler
 
-    p = processes()
+    p = start_processes()
     progress = Progress()
     sampler = p.shard(EpochSampler(progress, 5))
     first = [(k.epoch, k.position) for k in sampler]
@@ -179,7 +179,7 @@ def _():
 
 @check("saves")
 def _():
-    p = processes()
+    p = start_processes()
     weights = [torch.full((3,), 1.5), torch.full((2,), 0.25, dtype=torch.bfloat16)]
     written = []
     hooks = SaveHooks(2, None, lambda pos: written.append(("step", pos.step)),
@@ -196,8 +196,8 @@ def _():
 
 @check("options")
 def _():
-    info = distributed.ProcessInfo(rank=RANK, world_size=2)
-    return distributed.describe_options(DistributedConfig(ddp_timeout=5, ddp_gradient_as_bucket_view=True,
+    info = processes.ProcessInfo(rank=RANK, world_size=2)
+    return processes.describe_options(DistributedConfig(ddp_timeout=5, ddp_gradient_as_bucket_view=True,
                                                           ddp_static_graph=True), info)
 
 

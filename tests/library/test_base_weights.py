@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from library.base.errors import UserError
 from library.config import ModelConfig, PrecisionConfig
 from library.config.model import model_problems
-from library.errors import UserError
-from library.network_setup import merge_base_weights
-from library.precision import precision_policy
+from library.families.precision import precision_policy
 from library.tiny_model import build_tiny_sd15
+from library.train.network_setup import merge_base_weights
 from networks.lora import create_network
 
 torch.set_num_threads(1)

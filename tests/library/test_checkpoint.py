@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.checkpoint import OutputNames, Saver, epoch_interval, epoch_to_remove, step_to_remove
+from library.base.errors import TrainingDiverged
 from library.config import SaveConfig
-from library.errors import TrainingDiverged
+from library.saving.lora_files import OutputNames, Saver, epoch_interval, epoch_to_remove, step_to_remove
 
 
 def test_names_with_and_without_output_name():

@@ -2,9 +2,9 @@
 
 import pytest
 
-from library.cli import parse_args, write_config_file
+from library.base.errors import UserError
 from library.config import validate
-from library.errors import UserError
+from library.config.cli import parse_args, write_config_file
 
 BASE = ["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--output_dir", "out", "--train_data_dir", "data"]
 

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from library import console_log
+from library.base.errors import UserError
 from library.config import LogConfig
-from library.errors import UserError
+from library.runtime import console_log
 
 log = logging.getLogger("test_console_log")
 

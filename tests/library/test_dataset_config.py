@@ -8,8 +8,9 @@ import textwrap
 
 import pytest
 
+from library.base.errors import UserError
 from library.config import DataConfig
-from library.dataset_config import (
+from library.config.dataset import (
     DATASET_KEYS,
     DREAMBOOTH_ASCENDABLE_KEYS,
     SUBSET_ASCENDABLE_KEYS,
@@ -17,7 +18,6 @@ from library.dataset_config import (
     parse_config,
     parse_repeats_folder,
 )
-from library.errors import UserError
 
 # Two distinct valid TOML values per key (written as TOML) and what they resolve to.
 SAMPLES = {
@@ -279,7 +279,7 @@ def test_repeats_folder_names():
 
 
 def test_import_does_not_load_torch():
-    code = "import sys, library.dataset_config; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, library.config.dataset; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], cwd=".").returncode == 0
 
 

@@ -1,4 +1,5 @@
-"""``library/distributed.py``: the data shard against accelerate's own sampler, and its collectives, decisions and
+"""``library/runtime/processes.py``: the data shard against accelerate's own sampler, and its collectives, decisions
+and
 failure handling in 2 processes (torchrun, gloo; ``distributed_checks.py``)."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 
-from library import distributed
-from library.errors import UserError
+from library.base.errors import UserError
+from library.runtime import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT = 180  # seconds: a hang fails the test instead of blocking the suite
@@ -42,8 +43,8 @@ def test_each_process_gets_the_batches_accelerate_deals_it(world):
                                           num_processes=world, process_index=rank, split_batches=False,
                                           even_batches=True)
             expected = [index for batch in reference for index in batch]
-            ours = [distributed.shard_position(local, batches, rank, world)
-                    for local in range(distributed.shard_length(batches, world))]
+            ours = [processes.shard_position(local, batches, rank, world)
+                    for local in range(processes.shard_length(batches, world))]
             assert ours == expected, (batches, world, rank)
             shares.append(ours)
         assert {len(share) for share in shares} == {-(-batches // world)}
@@ -51,29 +52,29 @@ def test_each_process_gets_the_batches_accelerate_deals_it(world):
 
 
 def test_process_info_from_the_environment():
-    assert distributed.ProcessInfo.from_env({}) == distributed.ProcessInfo()
-    info = distributed.ProcessInfo.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+    assert processes.ProcessInfo.from_env({}) == processes.ProcessInfo()
+    info = processes.ProcessInfo.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                                              "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"})
     assert (info.rank, info.world_size, info.local_rank, info.node_rank, info.is_main, info.distributed) == \
         (3, 4, 1, 1, False, True)
     for env in ({"RANK": "2", "WORLD_SIZE": "2"}, {"WORLD_SIZE": "two"}):
         with pytest.raises(UserError, match="torchrun"):
-            distributed.ProcessInfo.from_env(env)
+            processes.ProcessInfo.from_env(env)
 
 
 def test_a_single_process_starts_nothing():
     from library.config.distributed import DistributedConfig
 
-    processes = distributed.start(DistributedConfig(), env={})
-    assert not processes.distributed and processes.is_main
-    assert processes.decide_seed(5) == 5
-    assert processes.process_seed(5) == 5
+    group = processes.start(DistributedConfig(), env={})
+    assert not group.distributed and group.is_main
+    assert group.decide_seed(5) == 5
+    assert group.process_seed(5) == 5
     sampler = object()
-    assert processes.shard(sampler) is sampler
-    reducer = processes.gradient_reducer([], seed=0)
+    assert group.shard(sampler) is sampler
+    reducer = group.gradient_reducer([], seed=0)
     flag = torch.tensor(False)
     assert reducer.reduce(flag) is flag
-    assert distributed.describe_options(DistributedConfig(ddp_timeout=3), processes.info) == [
+    assert processes.describe_options(DistributedConfig(ddp_timeout=3), group.info) == [
         "--ddp_timeout: no effect in a single process (no process group)"]
 
 

@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from library import files
-from library.checkpoint import OutputNames
-from library.errors import UserError
-from library.output import OutputLock, clean_interrupted
-from library.state_file import decode, encode
+from library.base import files
+from library.base.errors import UserError
+from library.runtime.output import OutputLock, clean_interrupted
+from library.saving.lora_files import OutputNames
+from library.saving.state_file import decode, encode
 
 
 def _tree(folder):
@@ -123,7 +123,7 @@ def test_state_tree_round_trip():
 
 
 def test_unstorable_objects_are_named():
-    from library.state_file import StateFormatError
+    from library.saving.state_file import StateFormatError
 
     with pytest.raises(StateFormatError, match=r"state\.scheduler\.lr_lambdas\[0\] is a function"):
         encode({"scheduler": {"lr_lambdas": [lambda step: 1.0]}})

@@ -1,10 +1,10 @@
-"""Finite checks of many tensors (library/finite.py) against per-tensor ``torch.isfinite``."""
+"""Finite checks of many tensors (library/train/finite.py) against per-tensor ``torch.isfinite``."""
 
 import pytest
 import torch
 
-from library.errors import UserError
-from library.finite import all_finite, floating_tensors, non_finite_names, refuse_non_finite
+from library.base.errors import UserError
+from library.train.finite import all_finite, floating_tensors, non_finite_names, refuse_non_finite
 
 
 def _tensors():

@@ -14,9 +14,9 @@ import torch
 
 from library.config import PrecisionConfig
 from library.config.precision import precision_problems
-from library.fp8 import FP8, fp8_bytes, store_fp8
-from library.model_setup import store_frozen_fp8
-from library.precision import precision_policy
+from library.families.fp8 import FP8, fp8_bytes, store_fp8
+from library.families.model_setup import store_frozen_fp8
+from library.families.precision import precision_policy
 from library.tiny_model import build_tiny_sd15
 
 torch.set_num_threads(1)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from library import host_memory
+from library.runtime import host_memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc settings only on Linux")
 

@@ -11,13 +11,14 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from library import fs_checks, network_setup
+from library.base.errors import UserError
 from library.config import DataConfig, NetworkConfig
+from library.config.dataset import read_config_file
 from library.data import build_train_data
-from library.dataset_config import read_config_file
-from library.errors import UserError
-from library.schedule import plan_steps
-from library.single_file import read_state_dict
+from library.families.sd.single_file import read_state_dict
+from library.runtime import fs_checks
+from library.train import network_setup
+from library.train.schedule import plan_steps
 
 
 def _images(folder, count=2, size=(64, 64)):
@@ -95,7 +96,7 @@ def test_accumulation_beyond_the_batches_of_an_epoch():
     assert plan_steps(40, batch_size=2, gradient_accumulation_steps=40).updates_per_epoch == 1
 
 
-# --- logging folder and disk space (the output folder is library/output.py's) ------------------------------------
+# --- logging folder and disk space (the output folder is library/runtime/output.py's) --------------------------------
 def test_logging_dir_that_is_a_file_or_below_one(tmp_path):
     file = tmp_path / "afile"
     file.write_text("x")
@@ -122,7 +123,7 @@ def test_probing_leaves_nothing_behind(tmp_path):
 
 
 def test_a_save_that_does_not_fit_on_the_disk_is_refused_before_writing(tmp_path, monkeypatch):
-    from library.checkpoint import Saver
+    from library.saving.lora_files import Saver
 
     network = SimpleNamespace(state_dict=lambda: {"w": torch.zeros(1024, 1024)},
                               save_weights=lambda *a: pytest.fail("written although the disk is full"))
@@ -241,7 +242,7 @@ def test_network_alpha_defaults_to_one_as_sd_scripts_passes_it(monkeypatch):
 def test_truncated_part_of_a_diffusers_folder(tmp_path):
     from diffusers import AutoencoderKL
 
-    from library import models
+    from library.families.sd import loading
     from library.tiny_model import build_tiny_sd15
 
     build_tiny_sd15().vae.save_pretrained(tmp_path / "vae")
@@ -249,4 +250,4 @@ def test_truncated_part_of_a_diffusers_folder(tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(UserError, match=r"--pretrained_model_name_or_path .*: vae/ cannot be loaded .*truncated or "
                                         r"missing"):
-        models._from_pretrained(AutoencoderKL, tmp_path, "vae")
+        loading._from_pretrained(AutoencoderKL, tmp_path, "vae")

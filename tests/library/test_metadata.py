@@ -13,9 +13,9 @@ import os
 
 import pytest
 
-from library.cli import parse_args
-from library.errors import UserError
-from library.metadata import Metadata, model_identity, modelspec, thumbnail_data_url
+from library.base.errors import UserError
+from library.config.cli import parse_args
+from library.saving.metadata import Metadata, model_identity, modelspec, thumbnail_data_url
 
 BASE = ["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--train_data_dir", "x", "--output_dir", "o"]
 

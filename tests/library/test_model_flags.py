@@ -14,11 +14,11 @@ import json
 import pytest
 import torch
 
-from library import model_setup
+from library.base.errors import UserError
 from library.config import PrecisionConfig
 from library.config.precision import precision_problems
-from library.errors import UserError
-from library.model_parts import load_cached_tokenizer
+from library.families import model_setup
+from library.families.sd.parts import load_cached_tokenizer
 from library.tiny_model import build_tiny_sd15
 
 torch.set_num_threads(1)
@@ -115,8 +115,8 @@ def test_latent_caching_empties_the_cuda_cache_unless_highvram(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_lowram_reads_a_single_file_straight_to_the_gpu(tiny, tmp_path):
-    from library.models import load_sd_model
-    from library.single_file import save_checkpoint
+    from library.families.sd.loading import load_sd_model
+    from library.families.sd.single_file import save_checkpoint
 
     path = tmp_path / "tiny.safetensors"
     save_checkpoint(tiny, path)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from library.errors import UserError
-from library.model_parts import build_from_config, config_dir
-from library.models import load_sd_model
+from library.base.errors import UserError
+from library.families.sd.loading import load_sd_model
+from library.families.sd.parts import build_from_config, config_dir
 from library.tiny_model import build_tiny_sd15
 
 torch.set_num_threads(1)
@@ -126,7 +126,7 @@ def test_load_exported_folder_and_single_file(exported, tiny):
 
 
 def test_replace_vae_from_file_and_folder(exported, tmp_path, tiny):
-    from library.single_file import save_checkpoint
+    from library.families.sd.single_file import save_checkpoint
     from library.tiny_model import save_diffusers_folder
 
     other = build_tiny_sd15(seed=7)

@@ -16,14 +16,14 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 
-from library import optimizer_setup
-from library.accumulation import build_accumulation
-from library.cli import parse_args
+from library.base.errors import UserError
 from library.config import OptimizerConfig, ScheduleConfig
-from library.errors import UserError
-from library.metadata import training_metadata
-from library.schedule import plan_steps
-from library.update import Updater
+from library.config.cli import parse_args
+from library.saving.metadata import training_metadata
+from library.train import optimizer_setup
+from library.train.accumulation import build_accumulation
+from library.train.schedule import plan_steps
+from library.train.update import Updater
 
 GRID = [(images, batch, accumulation, processes)
         for images in (1, 5, 8, 13) for batch in (1, 2, 3) for accumulation in (1, 2, 4)

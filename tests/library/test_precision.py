@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from library.config import PrecisionConfig
-from library.precision import precision_policy
+from library.families.precision import precision_policy
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 

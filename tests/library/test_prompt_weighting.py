@@ -1,6 +1,6 @@
-"""Sample-prompt text conditioning (``library/prompt_weighting.py``).
+"""Sample-prompt text conditioning (``library/sampling/conditioning.py``).
 
-The attention syntax is parsed by ``library/prompt_weights.py`` (tested in test_prompt_weights.py); token layouts
+The attention syntax is parsed by ``library/text/weights.py`` (tested in test_prompt_weights.py); token layouts
 are written out by hand from ``pad_tokens_and_weights`` /
 ``get_unweighted_text_embeddings`` (``no_boseos_middle=False``); embeddings are checked against transformers'
 CLIP text model called directly.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.prompt_weighting import (
+from library.sampling.conditioning import (
     chunk_count,
     chunk_ids,
     chunk_weights,

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.errors import UserError
-from library.prompt_weights import parse_prompt_attention, weighted_token_ids
-from library.text_encoding import apply_token_weights, encode_text, tokenize, tokenize_with_weights
+from library.base.errors import UserError
+from library.families.sd.text_encoding import apply_token_weights, encode_text, tokenize, tokenize_with_weights
+from library.text.weights import parse_prompt_attention, weighted_token_ids
 
 torch.set_num_threads(1)
 
@@ -125,9 +125,9 @@ def test_encoded_weighted_caption(tok1, text_encoder):
 
 def test_batch_loss_conditioning_applies_the_weights():
     from library.config import LossConfig, NoiseConfig, PrecisionConfig
-    from library.precision import precision_policy
-    from library.step import BatchLoss
+    from library.families.precision import precision_policy
     from library.tiny_model import build_tiny_sd15
+    from library.train.batch_loss import BatchLoss
 
     model = build_tiny_sd15()
 

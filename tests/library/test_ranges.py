@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from library.cli import parse_args
+from library.base.errors import UserError
 from library.config import validate
-from library.errors import UserError
+from library.config.cli import parse_args
 
 BASE = ["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--output_dir", "out", "--train_data_dir", "data"]
 

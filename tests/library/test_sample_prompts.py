@@ -1,4 +1,4 @@
-"""Prompt files and the sampling cadence plan (``library/sample_prompts.py``).
+"""Prompt files and the sampling cadence plan (``library/sampling/prompts.py``).
 
 Expected values are read off sd-scripts' ``line_to_prompt_dict`` / ``load_prompts`` / ``sample_image_inference``
 (48d368fa) by hand: split on " --", defaults 512 x 512, 30 steps, CFG 7.5, random seed; steps clamped to 1..1000;
@@ -12,9 +12,9 @@ import logging
 
 import pytest
 
+from library.base.errors import UserError
 from library.config import SampleConfig
-from library.errors import UserError
-from library.sample_prompts import SamplePrompt, load_prompt_file, plan_samples
+from library.sampling.prompts import SamplePrompt, load_prompt_file, plan_samples
 
 
 def write(tmp_path, name: str, text: str):
@@ -225,7 +225,7 @@ def test_bad_file_fails_the_plan(tmp_path):
 
 
 def test_sampler_needing_a_missing_package(tmp_path, monkeypatch):
-    import library.samplers as samplers
+    import library.sampling.schedulers as samplers
 
     monkeypatch.setattr(samplers.importlib.util, "find_spec", lambda name: None)
     path = write(tmp_path, "p.txt", "a --ss k_lms\nb\n")

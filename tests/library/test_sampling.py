@@ -1,4 +1,4 @@
-"""Drawing sample images on the tiny model (``library/sampling.py``): names, sizes, RNG isolation, modes, the
+"""Drawing sample images on the tiny model (``library/sampling/images.py``): names, sizes, RNG isolation, modes, the
 VAE's place, the precision policy's dtype, the LoRA reaching the pipeline, and the trackers.
 
 File names are sd-scripts' ``sample_image_inference`` format (48d368fa), written out by hand; sizes follow its
@@ -17,12 +17,12 @@ import torch
 
 from library.config import LogConfig
 from library.config.sample import SAMPLERS
-from library.position import Position
-from library.precision import PrecisionPolicy
-from library.sample_prompts import SamplePlan, SamplePrompt
-from library.samplers import SAMPLER_SPECS, missing_package
-from library.sampling import SampleImages, make_sample_hooks, sample_file_name
-from library.tracking import Tracker
+from library.families.precision import PrecisionPolicy
+from library.sampling.images import SampleImages, make_sample_hooks, sample_file_name
+from library.sampling.prompts import SamplePlan, SamplePrompt
+from library.sampling.schedulers import SAMPLER_SPECS, missing_package
+from library.train.position import Position
+from library.train.tracking import Tracker
 
 FP32 = PrecisionPolicy(torch.float32, torch.float32, torch.float32, None, False)
 BF16 = PrecisionPolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16, False)

@@ -1,4 +1,4 @@
-"""When the training loop draws samples (``library/train.py`` with ``SampleHooks``), on a loop of fakes.
+"""When the training loop draws samples (``library/train/loop.py`` with ``SampleHooks``), on a loop of fakes.
 
 Expected calls are worked out by hand from sd-scripts' ``train_network.py`` / ``sample_images_common`` (48d368fa):
 ``--sample_at_first`` draws before the first update with epoch 0 (also on resume); after each update, when
@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 
-from library.position import Position, SampleHooks, SaveHooks
-from library.schedule import StepPlan
-from library.train import train_loop
-from library.update import UpdateResult
+from library.train.loop import train_loop
+from library.train.position import Position, SampleHooks, SaveHooks
+from library.train.schedule import StepPlan
+from library.train.update import UpdateResult
 
 
 class FakeData:

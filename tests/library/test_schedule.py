@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from library import optimizer_setup
+from library.base.errors import UserError
 from library.config import OptimizerConfig, ScheduleConfig
-from library.errors import UserError
-from library.schedule import LR_SCHEDULERS, LRShape, lr_factor, parse_step_rules, plan_steps, resolve_steps
+from library.train import optimizer_setup
+from library.train.schedule import LR_SCHEDULERS, LRShape, lr_factor, parse_step_rules, plan_steps, resolve_steps
 
 torch.set_num_threads(1)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from library.model_parts import assemble, build_from_config, config_dir
-from library.single_file import CONFIG_METADATA_KEY, load_checkpoint, save_checkpoint, to_single_file_state
+from library.families.sd.parts import assemble, build_from_config, config_dir
+from library.families.sd.single_file import CONFIG_METADATA_KEY, load_checkpoint, save_checkpoint, to_single_file_state
 from library.tiny_model import build_tiny_sd15, save_diffusers_folder
 
 torch.set_num_threads(1)

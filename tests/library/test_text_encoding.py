@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.errors import UserError
-from library.text_encoding import encode_text, tokenize
+from library.base.errors import UserError
+from library.families.sd.text_encoding import encode_text, tokenize
 
 torch.set_num_threads(1)
 

@@ -11,10 +11,10 @@ import types
 
 import pytest
 
-from library.cli import parse_args
+from library.base.errors import UserError
 from library.config import public_snapshot, validate
-from library.errors import UserError
-from library.tracking import Tracker, tracker_config
+from library.config.cli import parse_args
+from library.train.tracking import Tracker, tracker_config
 
 BASE = ["--pretrained_model_name_or_path", "/models/secret_model.safetensors", "--output_dir", "/home/me/out",
         "--train_data_dir", "/home/me/data", "--network_dim", "8", "--network_args", "conv_dim=4"]

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from library.accumulation import build_accumulation
-from library.errors import TrainingDiverged
-from library.update import DynamicLossScale, Updater
+from library.base.errors import TrainingDiverged
+from library.train.accumulation import build_accumulation
+from library.train.update import DynamicLossScale, Updater
 from optimizers import StochasticAdamW
 
 

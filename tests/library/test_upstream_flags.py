@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from library.cli import parse_args
+from library.base.errors import UserError
 from library.config import all_fields, field_default, validate
-from library.errors import UserError
+from library.config.cli import parse_args
 
 FLAGS = json.loads((Path(__file__).resolve().parents[1] / "data" / "upstream_train_network_flags.json").read_text())[
     "flags"]

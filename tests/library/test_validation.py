@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library import validation as validation_module
 from library.config import LossConfig, ModelConfig, NetworkConfig, NoiseConfig, PrecisionConfig, ValidationConfig
-from library.model_setup import load_model
-from library.network_setup import build_network
-from library.position import Position
-from library.precision import precision_policy
-from library.step import BatchLoss
-from library.tracking import progress_fields
-from library.validation import Validation, evaluating, validation_loss, validation_timesteps
+from library.families.model_setup import load_model
+from library.families.precision import precision_policy
+from library.train import validation as validation_module
+from library.train.batch_loss import BatchLoss
+from library.train.network_setup import build_network
+from library.train.position import Position
+from library.train.tracking import progress_fields
+from library.train.validation import Validation, evaluating, validation_loss, validation_timesteps
 
 
 def test_fixed_timesteps_are_sd_scripts_linspace():

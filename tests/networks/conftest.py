@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from library.model_parts import SDModel
+from library.families.sd.parts import SDModel
 from library.tiny_model import build_tiny_sd15
 
 torch.set_num_threads(1)

@@ -94,7 +94,7 @@ def test_failed_save_keeps_the_old_file(trained, tmp_path, monkeypatch):
     def broken(fd):  # the bytes are written, flushing them to disk fails
         raise OSError("disk full")
 
-    from library import files
+    from library.base import files
 
     monkeypatch.setattr(files.os, "fsync", broken)
     with pytest.raises(OSError, match="disk full"):

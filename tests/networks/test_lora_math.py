@@ -9,7 +9,7 @@ from netutil import randomize_up, unet_inputs
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from library.errors import UserError
+from library.base.errors import UserError
 from networks import lora
 
 ATTN = "lora_unet_down_blocks_1_attentions_0"

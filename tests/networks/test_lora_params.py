@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from library.errors import UserError
+from library.base.errors import UserError
 from networks import lora
 
 

@@ -12,7 +12,7 @@ from lycoris import kohya
 from netutil import unet_inputs
 from safetensors.torch import load_file
 
-from library.errors import UserError
+from library.base.errors import UserError
 from networks import NETWORK_MODULE_ALIASES, lycoris_adapter
 
 TE_PARTS = ("self_attn_q_proj", "self_attn_k_proj", "self_attn_v_proj", "self_attn_out_proj", "mlp_fc1", "mlp_fc2")

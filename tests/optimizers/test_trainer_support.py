@@ -7,14 +7,10 @@ import math
 import pytest
 import torch
 
-from optimizers import (
-    REGISTRY,
-    build_adafactor_schedule,
-    build_optimizer,
-    effective_lrs,
-    needs_adafactor_scheduler,
-    startup_warnings,
-)
+from library.train.adafactor_schedule import build_adafactor_schedule
+from library.train.effective_lr import effective_lrs
+from library.train.optimizer_advice import needs_adafactor_scheduler, startup_warnings
+from optimizers import REGISTRY, build_optimizer
 from tests.optimizers.problem import compute_grads, make_params
 
 

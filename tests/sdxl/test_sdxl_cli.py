@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from library.cli import parse_args
+from library.base.errors import UserError
 from library.config import validate
-from library.errors import UserError
+from library.config.cli import parse_args
 from tests.library.test_upstream_flags import _cli_value, _toml_value
 
 DATA = Path(__file__).resolve().parents[1] / "data"

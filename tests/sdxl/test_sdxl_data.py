@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from library.cli import parse_args
+from library.base.errors import UserError
+from library.config.cli import parse_args
 from library.data import build_train_data
-from library.errors import UserError
 
 NAMES = ("hidden_state1", "hidden_state2", "pool2")
 

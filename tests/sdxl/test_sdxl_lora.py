@@ -13,10 +13,10 @@ import pytest
 import torch
 from accelerate import init_empty_weights
 
-from library.errors import UserError
-from library.sdxl_models import build_builtin_sdxl
-from library.sdxl_single_file import to_sdxl_single_file_state
-from library.single_file import UNET_PREFIX
+from library.base.errors import UserError
+from library.families.sd.single_file import UNET_PREFIX
+from library.families.sdxl.loading import build_builtin_sdxl
+from library.families.sdxl.single_file import to_sdxl_single_file_state
 from networks import lora
 from networks.args import parse_block_lr_weight
 from networks.families import SDXL_BLOCKS
@@ -106,7 +106,7 @@ def test_every_key_is_one_comfyui_and_a1111_map(tiny):
 def test_diffusers_loads_every_key(tiny_sdxl_dir, tmp_path):
     from diffusers import StableDiffusionXLPipeline
 
-    from library.sdxl_models import load_sdxl_model
+    from library.families.sdxl.loading import load_sdxl_model
 
     model = load_sdxl_model(str(tiny_sdxl_dir))
     net = lora.create_network(1.0, 4, 2, model.vae, model.text_encoders, model.unet, conv_dim="4", conv_alpha="2")

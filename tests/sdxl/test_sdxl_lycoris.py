@@ -14,9 +14,9 @@ import torch
 from accelerate import init_empty_weights
 from safetensors.torch import load_file
 
-from library.sdxl_models import build_builtin_sdxl
-from library.sdxl_single_file import to_sdxl_single_file_state
-from library.single_file import UNET_PREFIX
+from library.families.sd.single_file import UNET_PREFIX
+from library.families.sdxl.loading import build_builtin_sdxl
+from library.families.sdxl.single_file import to_sdxl_single_file_state
 from networks import lycoris_adapter
 from tests.sdxl.test_sdxl_train import sdxl_args, train
 

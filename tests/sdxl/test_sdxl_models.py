@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.errors import UserError
-from library.models import load_sd_model
-from library.sdxl_models import build_builtin_sdxl, load_sdxl_model
-from library.sdxl_single_file import TE2_PREFIX
-from library.single_file import read_state_dict
+from library.base.errors import UserError
+from library.families.sd.loading import load_sd_model
+from library.families.sd.single_file import read_state_dict
+from library.families.sdxl.loading import build_builtin_sdxl, load_sdxl_model
+from library.families.sdxl.single_file import TE2_PREFIX
 
 
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from library.model_family import model_family
-from library.precision import PrecisionPolicy
-from library.sample_prompts import SamplePlan, SamplePrompt
-from library.sampling import SampleImages
-from library.sdxl_models import build_builtin_sdxl
-from library.text_encoding_sdxl import encode_sdxl, tokenize_sdxl
+from library.families.precision import PrecisionPolicy
+from library.families.registry import model_family
+from library.families.sdxl.loading import build_builtin_sdxl
+from library.families.sdxl.text_encoding import encode_sdxl, tokenize_sdxl
+from library.sampling.images import SampleImages
+from library.sampling.prompts import SamplePlan, SamplePrompt
 
 FP32 = PrecisionPolicy(torch.float32, torch.float32, torch.float32, None, False)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.sdxl_models import build_builtin_sdxl
-from library.text_encoding_sdxl import encode_sdxl, encode_sdxl_weighted, tokenize_sdxl
+from library.families.sdxl.loading import build_builtin_sdxl
+from library.families.sdxl.text_encoding import encode_sdxl, encode_sdxl_weighted, tokenize_sdxl
 
 CAPTIONS = ["a photo of a cat", "", " ".join(["red circle, blue square"] * 40)]
 

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from library.sdxl_models import build_builtin_sdxl
-from library.size_conditioning import image_size_condition
+from library.data.size_conditions import image_size_condition
+from library.families.sdxl.loading import build_builtin_sdxl
 
 
 def upstream(image, bucket, flipped):

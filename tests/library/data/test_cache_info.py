@@ -13,9 +13,9 @@ import pytest
 from conftest import write_image
 from PIL import Image
 
+from library.base.errors import UserError
 from library.config import DataConfig
 from library.data import build_train_data, info_cache, prepare
-from library.errors import UserError
 
 
 def build(tmp_path, **kw):

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from library.config.dataset import SubsetSpec
 from library.data.captions import CaptionState, count_tags, process_caption, warmup_steps
-from library.dataset_config import SubsetSpec
 
 STATE = CaptionState(epoch=1, step=0, max_train_steps=100)
 

@@ -9,9 +9,9 @@ import torch
 from conftest import write_image
 from PIL import Image
 
+from library.base.errors import UserError
 from library.config import DataConfig
 from library.data import build_train_data
-from library.errors import UserError
 
 
 def cli(tmp_path, **kw) -> DataConfig:

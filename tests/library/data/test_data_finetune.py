@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from library.base.errors import UserError
 from library.config import DataConfig
 from library.data import build_train_data
-from library.errors import UserError
 
 
 def test_metadata_dataset_beside_dreambooth_dataset(tmp_path, make_folder):

@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import write_image
 
+from library.base.errors import UserError
 from library.config import DataConfig
 from library.data import build_train_data
 from library.data.latent_cache import CACHE_KEY
-from library.errors import UserError
 
 
 class FakeVAE:

@@ -14,12 +14,12 @@ import pytest
 import torch
 from PIL import Image
 
+from library.base.errors import UserError
 from library.config import DataConfig, LossConfig
 from library.data import build_train_data
 from library.data.batches import BatchKey
 from library.data.latent_cache import CACHE_KEY
-from library.errors import UserError
-from library.loss import per_sample_loss
+from library.train.loss import per_sample_loss
 
 
 def write_rgba(path, alpha: np.ndarray, red: np.ndarray | None = None):

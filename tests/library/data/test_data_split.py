@@ -15,10 +15,10 @@ import random
 
 import pytest
 
+from library.base.errors import UserError
 from library.config import DataConfig
 from library.data import build_train_data
 from library.data.split import split_counts
-from library.errors import UserError
 
 
 def cli(tmp_path, **kw) -> DataConfig:

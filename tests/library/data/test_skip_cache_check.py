@@ -9,8 +9,8 @@ import torch
 from conftest import write_image
 from test_data_latent_cache import FakeVAE, data_for
 
+from library.base.errors import UserError
 from library.data import latent_cache
-from library.errors import UserError
 
 
 def _no_hashing(monkeypatch):

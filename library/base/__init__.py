@@ -1,0 +1,2 @@
+"""Base modules every layer may import (errors, atomic files); they import no other package of library/ nor
+networks/."""

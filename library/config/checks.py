@@ -1,0 +1,150 @@
+"""Cross-field checks of a ``TrainConfig``, run before anything is loaded; every problem is reported at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+
+from library.base.errors import UserError
+from library.config.data import DataConfig
+from library.config.log import LogConfig, read_tracker_config
+from library.config.model import model_problems
+from library.config.network import network_module_problems
+from library.config.precision import precision_problems
+from library.config.ranges import range_problems
+from library.config.sections import TrainConfig, field_default
+from library.config.unavailable import unavailable_problems
+
+log = logging.getLogger(__name__)
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:
+        return False
+
+
+# The DataConfig fields that still apply when --dataset_class makes the batches.
+_CUSTOM_DATASET_FIELDS = ("dataset_class", "debug_dataset", "resolution", "max_data_loader_n_workers",
+                          "persistent_data_loader_workers")
+
+
+def _dataset_class_problems(data: DataConfig) -> list[str]:
+    """--dataset_class: latent caching cannot apply (an error); the other dataset flags have no effect (a warning)."""
+    if not data.dataset_class:
+        return []
+    problems = []
+    caching = [n for n in ("cache_latents", "cache_latents_to_disk") if getattr(data, n)]
+    if caching:
+        problems.append(f"--{caching[0]} with --dataset_class {data.dataset_class}: the trainer cannot cache the "
+                        "latents of a custom dataset; drop it and return \"latents\" from the class instead")
+    unused = [f"--{f.name}" for f in dataclasses.fields(DataConfig)
+              if f.name not in _CUSTOM_DATASET_FIELDS + ("cache_latents", "cache_latents_to_disk")
+              and getattr(data, f.name) != field_default(f)]
+    if unused:
+        log.warning("%s: no effect with --dataset_class (the class makes the batches; sd-scripts ignores them too)",
+                    ", ".join(unused))
+    return problems
+
+
+def _log_problems(cfg: LogConfig) -> list[str]:
+    """Tracker settings that would fail only once the models are loaded; tracker flags without a tracker warn."""
+    problems = []
+    wanted = cfg.log_with or ("tensorboard" if cfg.logging_dir else None)
+    if wanted in ("tensorboard", "all") and not cfg.logging_dir:
+        problems.append(f"--log_with {wanted} needs --logging_dir (the folder for the TensorBoard event files)")
+    if wanted in ("wandb", "all") and not _installed("wandb"):
+        problems.append(f"--log_with {wanted}: the wandb package is not installed; pip install wandb, or use "
+                        "--log_with tensorboard")
+    if cfg.log_tracker_config:
+        try:
+            read_tracker_config(cfg.log_tracker_config)
+        except UserError as exc:
+            problems += exc.messages
+    unused = [name for name, on in (("--log_config", cfg.log_config and wanted is None),
+                                    ("--log_tracker_config", cfg.log_tracker_config and wanted is None),
+                                    ("--wandb_run_name", cfg.wandb_run_name and wanted not in ("wandb", "all")),
+                                    ("--wandb_api_key", cfg.wandb_api_key and wanted not in ("wandb", "all")))
+              if on]
+    if unused:
+        log.warning("%s: no effect without a tracker that uses it; add --log_with wandb (or --logging_dir DIR for "
+                    "TensorBoard)", ", ".join(unused))
+    return problems
+
+
+def _family_problems(cfg: TrainConfig) -> list[str]:
+    """What ``sdxl_train_network.py`` refuses (sd-scripts' ``verify_sdxl_training_args`` / ``assert_extra_args``)."""
+    if cfg.family != "sdxl":
+        return []
+    problems = []
+    if cfg.model.v2:
+        problems.append("--v2 is for Stable Diffusion 2.x; SDXL is not SD 2.x, so remove --v2 (as sd-scripts, which "
+                        "refuses it too), or train SD 2.x models with train_network.py")
+    caching = cfg.sdxl.cache_text_encoder_outputs or cfg.sdxl.cache_text_encoder_outputs_to_disk
+    if caching and not cfg.network.network_train_unet_only:
+        problems.append("--cache_text_encoder_outputs: the text encoders' LoRA cannot train from cached outputs; "
+                        "add --network_train_unet_only (as sd-scripts requires) or drop the caching flag")
+    if cfg.data.dataset_class:
+        problems.append("--dataset_class is not implemented for SDXL here yet; remove it (it works with "
+                        "train_network.py for SD 1.x/2.x)")
+    return problems
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks, run before anything is loaded; every problem is reported at once."""
+    problems = (range_problems(cfg) + unavailable_problems(cfg.unavailable) + network_module_problems(cfg.network)
+                + model_problems(cfg.model) + precision_problems(cfg.precision) + _log_problems(cfg.log)
+                + _dataset_class_problems(cfg.data))
+    if not cfg.model.pretrained_model_name_or_path and not cfg.data.debug_dataset:
+        problems.append("--pretrained_model_name_or_path is required (a diffusers folder, a .safetensors/.ckpt "
+                        "file, or builtin:tiny-sd15)")
+    if not cfg.save.output_dir and not cfg.data.debug_dataset:
+        problems.append("--output_dir is required: the folder where the LoRA is written")
+    name = cfg.save.output_name
+    if name is not None and (name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0"))):
+        problems.append(f"--output_name {name!r}: must be a plain file name (no folders, no \"..\"), since the files "
+                        "are written into --output_dir; put any folder into --output_dir instead")
+    if not (cfg.data.train_data_dir or cfg.data.dataset_config or cfg.data.in_json or cfg.data.dataset_class):
+        problems.append("no training data: give --train_data_dir (parent of <repeats>_<name> folders), "
+                        "--dataset_config, --in_json or --dataset_class")
+    p = cfg.precision
+    if p.full_bf16 and p.full_fp16:
+        problems.append("--full_bf16 and --full_fp16 exclude each other; choose one")
+    if p.full_bf16 and p.mixed_precision != "bf16":
+        problems.append("--full_bf16 needs --mixed_precision bf16 (as in sd-scripts)")
+    if p.full_fp16 and p.mixed_precision != "fp16":
+        problems.append("--full_fp16 needs --mixed_precision fp16 (as in sd-scripts)")
+    if cfg.network.network_train_unet_only and cfg.network.network_train_text_encoder_only:
+        problems.append("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
+    if cfg.optimizer.fused_backward_pass and cfg.schedule.gradient_accumulation_steps > 1:
+        problems.append("--fused_backward_pass steps each parameter as soon as its gradient exists, so gradients "
+                        "cannot be accumulated; use --gradient_accumulation_steps 1 or drop --fused_backward_pass")
+    problems += _family_problems(cfg)
+    nz, lo, m = cfg.noise, cfg.loss, cfg.model
+    if nz.adaptive_noise_scale is not None and nz.noise_offset is None:
+        problems.append("--adaptive_noise_scale adds to the noise offset, so it needs --noise_offset (as in "
+                        "sd-scripts)")
+    if lo.scale_v_pred_loss_like_noise_pred and not m.v_parameterization:
+        problems.append("--scale_v_pred_loss_like_noise_pred applies only with --v_parameterization (as in "
+                        "sd-scripts)")
+    if lo.v_pred_like_loss and m.v_parameterization:
+        problems.append("--v_pred_like_loss adds a v-prediction-like loss to a noise-prediction model; it cannot be "
+                        "used with --v_parameterization (as in sd-scripts)")
+    if nz.zero_terminal_snr and not m.v_parameterization:
+        log.warning("--zero_terminal_snr is meant for --v_parameterization; without it training is unexpected "
+                    "(sd-scripts warns the same)")
+    if (cfg.data.cache_latents or cfg.data.cache_latents_to_disk) and not cfg.data.dataset_class:
+        for name, on in (("--color_aug", cfg.data.color_aug), ("--random_crop", cfg.data.random_crop)):
+            if on:
+                problems.append(f"{name} changes every image each epoch, so latents cannot be cached; "
+                                f"drop {name} or --cache_latents")
+    if cfg.data.skip_cache_check and not cfg.data.cache_latents_to_disk:
+        log.warning("--skip_cache_check has no effect without --cache_latents_to_disk (it trusts existing cache "
+                    "files; latents cached in RAM are made fresh each run)")
+    if p.xformers and not _installed("xformers"):
+        problems.append("--xformers: the xformers package is not installed; use --sdpa (PyTorch's "
+                        "scaled-dot-product attention, as fast on current PyTorch) or pip install xformers")
+    if problems:
+        raise UserError(*problems)

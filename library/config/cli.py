@@ -1,0 +1,254 @@
+"""Command line and ``--config_file`` handling with sd-scripts' flag names.
+
+The flags are generated from the config dataclasses (``library/config/``), one argparse group per section, so a
+flag's name, default, type and help exist in one place. Precedence is sd-scripts': explicit command-line flag >
+``--config_file`` TOML > default. TOML values take the forms sd-scripts takes (it passes them through untouched):
+lists for ``nargs`` flags (a single value is one item), ``0``/``1`` for booleans, integers for floats, integral
+floats for integers. Unlike sd-scripts, an unknown TOML key or flag is an error with a suggestion instead of being
+ignored, and a value of the wrong type is an error naming the file, table and key; the keys that the kohya_ss GUI
+writes without sd-scripts using them are accepted with an info line (``library/config/gui.py``).
+
+One parser per entry script: ``train_network.py`` (SD 1.x/2.x, family "sd") and ``sdxl_train_network.py`` (family
+"sdxl"), which adds the SDXL-only flags (``library/config/sdxl.py``); the SD script refuses those keys in a TOML
+with a message naming the SDXL script, as for the other families' keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from library.base.errors import UserError, did_you_mean
+from library.config import SECRET_FIELDS, TrainConfig, all_fields, family_sections, field_default, from_namespace
+from library.config.gui import GUI_ONLY_KEYS, GUI_REFUSED_WHEN_SET, other_family
+
+log = logging.getLogger(__name__)
+
+# Flags sd-scripts still accepts under an old name; the value is the current flag.
+LEGACY_FLAGS = {"caption_extention": "caption_extension"}
+# Legacy optimizer switches (sd-scripts: an error when combined with --optimizer_type).
+LEGACY_OPTIMIZER_FLAGS = {"use_8bit_adam": "AdamW8bit", "use_lion_optimizer": "Lion"}
+
+PROG = "train_network.py"
+# Entry script per model family, and what its --help says it trains.
+SCRIPTS = {"sd": (PROG, "Train a LoRA for Stable Diffusion 1.x/2.x (kohya sd-scripts flags)."),
+           "sdxl": ("sdxl_train_network.py", "Train a LoRA for Stable Diffusion XL (kohya sd-scripts flags).")}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ``UserError`` (with a did-you-mean for unknown flags) instead of exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):
+            known = [o.lstrip("-") for a in self._actions for o in a.option_strings]
+            hints = []
+            for arg in message.split(":", 1)[1].split():
+                if arg.startswith("--"):
+                    hints.append(f"unknown flag {arg.split('=')[0]}{did_you_mean(arg[2:].split('=')[0], known)}")
+            raise UserError(*(hints or [message]), f"run `python {self.prog} --help` for the list of flags")
+        raise UserError(f"{message} (run `python {self.prog} --help` for usage)")
+
+
+def _kind(f: dataclasses.Field) -> tuple[str, str | None]:
+    """The value kind of a field from its annotation: ("bool"|"int"|"float"|"str", None) or ("list", element)."""
+    t = str(f.type).replace(" ", "")
+    if t == "bool":
+        return "bool", None
+    if t.startswith("list["):
+        return "list", t[5:-1]
+    first = t.split("|")[0]
+    return (first if first in ("int", "float") else "str"), None
+
+
+_CONVERT = {"int": int, "float": float, "str": str}
+
+
+def build_parser(family: str = "sd") -> argparse.ArgumentParser:
+    """The argument parser of ``family``'s script; every default is ``SUPPRESS`` so that explicit flags can be told
+    apart."""
+    prog, description = SCRIPTS[family]
+    parser = _Parser(prog=prog, description=description, argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    for section, cls in family_sections(family).items():
+        group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            help_text = f"{meta['help']} (default: {field_default(f)})".replace("%", "%%")
+            kind, element = _kind(f)
+            kwargs: dict[str, Any] = {"help": help_text}
+            if kind == "bool":
+                kwargs["action"] = "store_true"
+            elif kind == "list":
+                kwargs["nargs"] = "*"
+                kwargs["type"] = _CONVERT.get(element or "str", str)
+            else:
+                kwargs["type"] = meta["parse"] or _CONVERT[kind]
+                if meta["choices"]:
+                    kwargs["choices"] = meta["choices"]
+            names = [f"--{f.name}"] + [f"--{old}" for old, new in LEGACY_FLAGS.items() if new == f.name]
+            group.add_argument(*names, dest=f.name, **kwargs)
+    legacy = parser.add_argument_group("legacy", "old sd-scripts switches, kept for existing scripts")
+    for name, optimizer in LEGACY_OPTIMIZER_FLAGS.items():
+        legacy.add_argument(f"--{name}", action="store_true", help=f"same as --optimizer_type {optimizer}")
+    return parser
+
+
+_EXPECTED = {"list": "a list", "int": "an integer", "float": "a number", "bool": "true or false (or 1 / 0)",
+             "str": "a string"}
+
+
+def _scalar(value: Any, kind: str) -> tuple[bool, Any]:
+    """(ok, converted) for one TOML value of a scalar kind, in the forms sd-scripts' parser lets through."""
+    if kind == "bool":
+        if isinstance(value, bool):
+            return True, value
+        if isinstance(value, int) and value in (0, 1):
+            return True, bool(value)
+        return False, None
+    if isinstance(value, bool):
+        return False, None
+    if kind == "int":
+        if isinstance(value, int):
+            return True, value
+        if isinstance(value, float) and value.is_integer():
+            return True, int(value)
+        return False, None
+    if kind == "float":
+        return (True, float(value)) if isinstance(value, (int, float)) else (False, None)
+    return (True, value) if isinstance(value, str) else (False, None)
+
+
+def _check_toml_value(name: str, value: Any, f: dataclasses.Field, where: str) -> Any:
+    """Type-check (and parse) one TOML value the way the matching flag would."""
+    kind, element = _kind(f)
+    parse = f.metadata["parse"]
+    if value is None:
+        return None
+    if parse is not None:
+        return parse(value)
+    if kind == "list":
+        items = value if isinstance(value, list) else [value]
+        converted = [_scalar(item, element or "str") for item in items]
+        if not all(ok for ok, _ in converted):
+            noun = {"float": "numbers", "int": "integers"}.get(element or "str", "strings")
+            raise UserError(f"{where}: {name} = {value!r}: expected a list of {noun}")
+        return [v for _, v in converted]
+    ok, converted = _scalar(value, kind)
+    if not ok:
+        raise UserError(f"{where}: {name} = {value!r}: expected {_EXPECTED[kind]}")
+    choices = f.metadata["choices"]
+    if choices and converted not in choices:
+        raise UserError(f"{where}: {name} = {value!r}: expected one of {', '.join(map(str, choices))}")
+    return converted
+
+
+def _read_toml(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        raise UserError(f"--config_file {file}: file not found")
+    try:
+        return tomllib.loads(file.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{file}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{file}: not UTF-8 text; save the file as UTF-8") from None
+
+
+def read_config_file(path: str, family: str = "sd") -> dict[str, Any]:
+    """Read a training-arguments TOML as sd-scripts does (all tables flattened), but strictly.
+
+    Unknown keys, keys given in two tables and values of the wrong type are errors that name the file, the table
+    and the key; all of them are reported at once. Keys the kohya_ss GUI writes for nothing are accepted with an
+    info line.
+    """
+    file = Path(path if path.endswith(".toml") else path + ".toml")
+    data = _read_toml(file)
+    fields = all_fields(family)
+    prog = SCRIPTS[family][0]
+    trains = "SDXL LoRAs" if family == "sdxl" else "SD 1.x/2.x LoRAs"
+    known = [*fields, *LEGACY_FLAGS, *LEGACY_OPTIMIZER_FLAGS, *GUI_ONLY_KEYS, *GUI_REFUSED_WHEN_SET]
+    values: dict[str, Any] = {}
+    seen_in: dict[str, str] = {}
+    problems: list[str] = []
+    gui_fields: list[str] = []
+
+    def visit(table: dict[str, Any], where: str) -> None:
+        for key, value in table.items():
+            if isinstance(value, dict):
+                visit(value, f"{where}.{key}" if where else key)
+                continue
+            loc = f"{file}: [{where}]" if where else f"{file}:"
+            name = LEGACY_FLAGS.get(key, key)
+            if name in GUI_ONLY_KEYS:
+                gui_fields.append(key)
+            elif name in GUI_REFUSED_WHEN_SET:
+                if value:
+                    problems.append(f"{loc} {key} = {value!r}: {GUI_REFUSED_WHEN_SET[name]}")
+            elif name not in fields and name not in LEGACY_OPTIMIZER_FLAGS:
+                owner = other_family(key)
+                if owner is not None:
+                    problems.append(f'{loc} "{key}" is an option for {owner}; {prog} trains {trains}')
+                else:
+                    problems.append(f'{loc} unknown key "{key}"{did_you_mean(key, known)}')
+            elif name in seen_in:
+                problems.append(f'{loc} key "{key}" is also set in [{seen_in[name]}]; keep one')
+            elif name in LEGACY_OPTIMIZER_FLAGS:
+                values[name] = bool(value)
+                seen_in[name] = where
+            else:
+                try:
+                    values[name] = _check_toml_value(key, value, fields[name][1], loc.rstrip(":"))
+                except UserError as exc:
+                    problems.extend(exc.messages)
+                seen_in[name] = where
+
+    visit(data, "")
+    if problems:
+        raise UserError(*problems)
+    if gui_fields:
+        log.info("%s: %s: kohya_ss GUI field(s) with no effect on training (sd-scripts ignores them too): %s",
+                 file, ", ".join(gui_fields), "; ".join(f"{k}: {GUI_ONLY_KEYS[k]}" for k in gui_fields))
+    return values
+
+
+def _defaults() -> dict[str, Any]:
+    return {name: field_default(f) for name, (_, f) in all_fields().items()}
+
+
+def _apply_legacy_optimizer(values: dict[str, Any]) -> None:
+    chosen = [name for name in LEGACY_OPTIMIZER_FLAGS if values.pop(name, False)]
+    if not chosen:
+        return
+    if len(chosen) > 1 or values.get("optimizer_type"):
+        raise UserError(f"--{chosen[0]} cannot be combined with --optimizer_type or another legacy switch; "
+                        f"use --optimizer_type {LEGACY_OPTIMIZER_FLAGS[chosen[0]]} alone")
+    values["optimizer_type"] = LEGACY_OPTIMIZER_FLAGS[chosen[0]]
+
+
+# Never written by --output_config (sd-scripts leaves these out too): secrets and the config switches themselves.
+_NOT_WRITTEN = {"config_file", "output_config", *SECRET_FIELDS}
+
+
+def write_config_file(path: str, explicit: dict[str, Any]) -> Path:
+    """``--output_config``: write the explicitly given arguments to a TOML; never overwrite."""
+    import toml
+
+    file = Path(path if path.endswith(".toml") else path + ".toml")
+    if file.exists():
+        raise UserError(f"--output_config: {file} exists; choose another --config_file path or remove it")
+    body = {k: list(v) if isinstance(v, tuple) else v for k, v in explicit.items()
+            if k not in _NOT_WRITTEN and v is not None}
+    file.write_text(toml.dumps(body), encoding="utf-8")
+    return file
+
+
+def parse_args(argv: list[str], family: str = "sd") -> tuple[TrainConfig, dict[str, Any]]:
+    """Parse a kohya command line of ``family``'s script into a ``TrainConfig``; also return the explicitly given
+    values."""
+    explicit = vars(build_parser(family).parse_args(argv))
+    from_file = read_config_file(explicit["config_file"], family) if explicit.get("config_file") else {}
+    values = {**_defaults(), **from_file, **explicit}
+    _apply_legacy_optimizer(values)
+    return from_namespace(values, family), {**from_file, **explicit}

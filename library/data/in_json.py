@@ -1,0 +1,87 @@
+"""Fine-tuning metadata (``--in_json`` / ``metadata_file``): captions and tags per image, as sd-scripts'
+``FineTuningDataset`` reads them.
+
+JSON: ``{"<image key>": {"caption": "...", "tags": "a, b"}, ...}``; JSONL: one ``{"image_path", "caption",
+"tags"}`` object per line. Relative keys are joined to ``image_dir``; a key without an image extension is looked up
+with each extension (the form sd-scripts' ``merge_captions_to_metadata.py`` writes). The caption used is
+``caption + separator + tags``; with wildcards the tags are appended to every caption line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from library.config.dataset import SubsetSpec
+from library.data.images import IMAGE_EXTENSIONS
+
+
+def _load(path: Path, errors: list[str]) -> dict[str, dict]:
+    try:
+        if path.suffix.lower() == ".jsonl":
+            entries = {}
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if line.strip():
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or "image_path" not in record:
+                        errors.append(f"{path}:{number}: expected an object with image_path")
+                        continue
+                    entries[record["image_path"]] = record
+            return entries
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        errors.append(f"{path}: not valid JSON: {e}")
+        return {}
+    if not isinstance(loaded, dict) or not all(isinstance(v, dict) for v in loaded.values()):
+        errors.append(f'{path}: expected {{"image": {{"caption": "...", "tags": "..."}}, ...}}')
+        return {}
+    return loaded
+
+
+def _image_path(key: str, image_dir: str | None) -> Path | None:
+    path = Path(key)
+    if not path.is_absolute():
+        if image_dir is None:
+            return None
+        path = Path(image_dir) / key
+    if path.suffix.lower() in IMAGE_EXTENSIONS or path.exists():
+        return path
+    for ext in IMAGE_EXTENSIONS:
+        candidate = path.with_name(path.name + ext)
+        if candidate.exists():
+            return candidate
+    return path
+
+
+def combine_caption(caption: str, tags: str | None, sub: SubsetSpec) -> str:
+    """sd-scripts' caption + tags join for fine-tuning entries."""
+    if not tags:
+        return caption
+    if sub.enable_wildcard:
+        tags = tags.replace("\n", sub.caption_separator)
+        lines = [line for line in caption.split("\n") if line.strip()]
+        return "\n".join(f"{line}{sub.caption_separator}{tags}" for line in lines)
+    return caption + sub.caption_separator + tags if caption else tags
+
+
+def read_metadata_subset(sub: SubsetSpec, errors: list[str]) -> list[tuple[str, str, str | None]]:
+    """(image path, caption, tags) for each entry of a metadata file; problems are appended to ``errors``."""
+    path = Path(sub.metadata_file)
+    out = []
+    missing = []
+    for key, entry in _load(path, errors).items():
+        image = _image_path(key, sub.image_dir)
+        if image is None:
+            errors.append(f'{sub.location}: "{key}" is a relative path; set image_dir (or --train_data_dir) to the '
+                          "folder it is relative to")
+            continue
+        if not image.is_file():
+            missing.append(str(image))
+            continue
+        caption = entry.get("caption") or ""
+        tags = entry.get("tags")
+        out.append((str(image), combine_caption(caption, tags, sub), tags))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" ... and {len(missing) - 5} more" if len(missing) > 5 else "")
+        errors.append(f"{sub.location}: {len(missing)} image(s) listed in {path} do not exist: {shown}")
+    return out

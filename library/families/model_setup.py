@@ -1,0 +1,194 @@
+"""The model stage: load the model of the run's family offline, freeze and cast it by the precision policy, set
+attention and gradient checkpointing, store the frozen weights in fp8 (``--fp8_base``), cache latents with the VAE
+(and, for SDXL, the text encoders' outputs), and compile the UNet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+
+import torch
+
+from library.config import DataConfig, ModelConfig, PrecisionConfig, SDXLConfig
+from library.families.fp8 import fp8_bytes, store_fp8
+from library.families.precision import PrecisionPolicy
+from library.families.registry import SDFamily, SDXLFamily
+from library.families.sd.loading import BUILTIN_MODELS
+from library.families.sd.parts import SDModel, load_cached_tokenizer
+from library.families.sd.single_file import SUFFIXES
+
+log = logging.getLogger(__name__)
+
+
+def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPolicy, device: torch.device,
+               family: SDFamily | SDXLFamily = SDFamily(), sdxl: SDXLConfig | None = None) -> SDModel:
+    """Load, freeze and cast the model of ``family``; set the tokenizer, attention backend and gradient
+    checkpointing."""
+    if family.name == "sdxl" and cfg.clip_skip is not None:
+        log.warning("--clip_skip %s has no effect on SDXL: both text encoders give their penultimate layer "
+                    "(sd-scripts warns the same)", cfg.clip_skip)
+    model = family.load(cfg, sdxl or SDXLConfig(), policy.frozen_dtype,
+                        file_device=str(device) if cfg.lowram else "cpu")
+    if cfg.lowram:
+        log.info(_lowram_note(cfg.pretrained_model_name_or_path, device))
+    if cfg.tokenizer_cache_dir and family.name == "sdxl":
+        log.info("--tokenizer_cache_dir: SDXL uses the bundled tokenizers (the same vocabulary as upstream's two); "
+                 "the folder is not read")
+    elif cfg.tokenizer_cache_dir:
+        model.tokenizer, how = load_cached_tokenizer(cfg.tokenizer_cache_dir, cfg.v2)
+        log.info("--tokenizer_cache_dir: %s", how)
+    text_encoders = family.text_encoders(model)
+    for part in (model.unet, *text_encoders, model.vae):
+        part.requires_grad_(False)
+        part.eval()
+    model.unet.to(device, policy.frozen_dtype)
+    for text_encoder in text_encoders:
+        text_encoder.to(device, policy.frozen_dtype)
+    model.vae.to(device, policy.vae_dtype)
+    if precision.xformers:
+        model.unet.enable_xformers_memory_efficient_attention()
+    else:
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        model.unet.set_attn_processor(AttnProcessor2_0())
+        for name in ("sdpa", "mem_eff_attn"):
+            if getattr(precision, name):
+                log.info("--%s: the UNet uses PyTorch's scaled-dot-product attention, which picks a "
+                         "memory-efficient kernel by itself; nothing else to switch on", name)
+    if precision.gradient_checkpointing:
+        # diffusers and transformers only checkpoint modules in training mode (sd-scripts sets train() too).
+        model.unet.enable_gradient_checkpointing(offloaded_checkpoint if precision.cpu_offload_checkpointing
+                                                 else None)
+        model.unet.train()
+        for text_encoder in text_encoders:
+            text_encoder.gradient_checkpointing_enable()
+            text_encoder.train()
+        if precision.cpu_offload_checkpointing and device.type == "cpu":
+            log.info("--cpu_offload_checkpointing: training on the CPU, so the checkpointed tensors already are in "
+                     "CPU memory")
+    return model
+
+
+def _lowram_note(path: str, device: torch.device) -> str:
+    if device.type == "cpu":
+        return "--lowram: training on the CPU, so the model is loaded into CPU memory either way"
+    if path not in BUILTIN_MODELS and path.lower().endswith(SUFFIXES):
+        return f"--lowram: the checkpoint was read straight to {device}"
+    return ("--lowram: diffusers folders and built-in models are built in CPU memory and then moved to "
+            f"{device}, as in sd-scripts; only single-file checkpoints are read straight to the device")
+
+
+def _pack_to_cpu(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+    if tensor.device.type == "cpu":
+        return tensor.device, tensor
+    host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return tensor.device, host
+
+
+def _unpack_from_cpu(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    device, tensor = packed
+    return tensor.to(device, non_blocking=True)
+
+
+def offloaded_checkpoint(module: torch.nn.Module, *args):
+    """``--cpu_offload_checkpointing``: diffusers' gradient-checkpointing call (non-reentrant
+    ``torch.utils.checkpoint``) with the tensors it keeps for the backward pass (the inputs of each checkpointed
+    block) held in pinned CPU memory and copied back when the block is recomputed; the copies are asynchronous.
+    sd-scripts offers this for its DiT models; its SD1.x/2.x U-Net has no such mode."""
+    with torch.autograd.graph.saved_tensors_hooks(_pack_to_cpu, _unpack_from_cpu):
+        return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
+
+
+def store_frozen_fp8(model: SDModel, policy: PrecisionPolicy, family: SDFamily | SDXLFamily = SDFamily()) -> None:
+    """``--fp8_base`` / ``--fp8_base_unet`` (after ``--base_weights`` are merged, before the LoRA is attached)."""
+    parts = [("UNet", model.unet)] if policy.unet_fp8 else []
+    if policy.text_encoder_fp8:
+        encoders = family.text_encoders(model)
+        parts += [(f"text encoder {i + 1}" if len(encoders) > 1 else "text encoder", te)
+                  for i, te in enumerate(encoders)]
+    for name, part in parts:
+        layers = store_fp8(part, policy.frozen_dtype)
+        stored, total = fp8_bytes(part)
+        log.info("%s: %d layers store their weights in float8_e4m3fn (%.0f MiB in fp8, %.0f MiB of parameters "
+                 "in all)", name, layers, stored / 2**20, total / 2**20)
+
+
+def release_cached_memory(device: torch.device, highvram: bool) -> None:
+    """After a latent-caching batch: empty the CUDA memory cache unless ``--highvram`` (sd-scripts'
+    ``clean_memory_on_device`` unless ``HIGH_VRAM``); the CPU keeps no such cache."""
+    if device.type == "cuda" and not highvram:
+        torch.cuda.empty_cache()
+
+
+def cache_latents(data, model: SDModel, policy: PrecisionPolicy, device: torch.device, cfg: DataConfig,
+                  highvram: bool = False, share: Callable[[int], bool] | None = None,
+                  wait: Callable[[], None] = lambda: None) -> None:
+    """Encode every image once (``--cache_latents``), then move the VAE off the training device. As sd-scripts,
+    the CUDA cache is emptied after each VAE batch unless ``--highvram``. ``share`` and ``wait`` split a disk cache
+    between processes (``TrainData.cache_latents``)."""
+    vae = model.vae
+
+    @torch.no_grad()
+    def encode(images: torch.Tensor) -> torch.Tensor:
+        latents = vae.encode(images.to(device, policy.vae_dtype)).latent_dist.sample().float().cpu()
+        release_cached_memory(device, highvram)
+        return latents
+
+    # Identify the VAE by its weights (the first tensors are enough to tell VAEs apart) and dtype, so that a cache
+    # written with another VAE (--vae, another checkpoint, fp16 vs fp32) is rebuilt.
+    digest = hashlib.sha1(str(vae.dtype).encode())
+    for param in list(vae.parameters())[:4]:
+        digest.update(param.detach().float().cpu().numpy().tobytes())
+    vae_id = digest.hexdigest()[:16]
+    data.cache_latents(encode, to_disk=cfg.cache_latents_to_disk, vae_id=vae_id, batch_size=cfg.vae_batch_size,
+                       share=share, wait=wait)
+    vae.to("cpu")
+
+
+def module_id(*modules: torch.nn.Module) -> str:
+    """Identify frozen models by their weights (the first tensors are enough to tell checkpoints apart) and dtype,
+    so that a cache written with other text encoders (another checkpoint, fp16 vs fp32) is rebuilt."""
+    digest = hashlib.sha1()
+    for module in modules:
+        digest.update(str(next(module.parameters()).dtype).encode())
+        for param in list(module.parameters())[:4]:
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_text_encoder_outputs(data, model, family: SDXLFamily, policy: PrecisionPolicy, device: torch.device,
+                               sdxl: SDXLConfig, max_token_length: int | None, batch_size: int,
+                               weighted: bool = False, share: Callable[[int], bool] | None = None,
+                               wait: Callable[[], None] = lambda: None) -> None:
+    """``--cache_text_encoder_outputs``: encode every caption once with the frozen text encoders (in RAM, or in
+    ``<image>_te_outputs.npz`` with ``--cache_text_encoder_outputs_to_disk``), the held-out validation images' too,
+    then move the encoders to the CPU, as sd-scripts does; the network must train the UNet only (checked before
+    loading). With ``weighted`` (``--weighted_captions``) the weighted outputs are cached, as sd-scripts'
+    ``is_weighted`` caching strategy. ``share`` and ``wait`` split a disk cache between processes
+    (``TrainData.cache_text_encoder_outputs``)."""
+    text_encoders = family.text_encoders(model)
+
+    @torch.no_grad()
+    def encode(captions: list[str]) -> dict[str, torch.Tensor]:
+        with policy.autocast(device):
+            cond = family.encode(model, captions, device, clip_skip=None, max_token_length=max_token_length,
+                                 weighted=weighted)
+        return family.to_cache(cond)
+
+    data.cache_text_encoder_outputs(encode, to_disk=sdxl.cache_text_encoder_outputs_to_disk,
+                                    encoder_id=module_id(*text_encoders), max_token_length=max_token_length,
+                                    names=family.cache_names, batch_size=batch_size, weighted=weighted,
+                                    share=share, wait=wait)
+    for text_encoder in text_encoders:
+        text_encoder.to("cpu")
+
+
+def compile_unet(model: SDModel, precision: PrecisionConfig) -> None:
+    """``--torch_compile``: compile the UNet; a failure to compile raises at the first step, never runs eager."""
+    if precision.torch_compile and precision.dynamo_backend == "no":
+        log.info("--torch_compile with --dynamo_backend no: the UNet is not compiled (as in sd-scripts)")
+    elif precision.torch_compile:
+        model.unet = torch.compile(model.unet, backend=precision.dynamo_backend)

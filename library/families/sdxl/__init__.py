@@ -1,0 +1,1 @@
+"""Stable Diffusion XL: loading, parts, single files, text encoding."""

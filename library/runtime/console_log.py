@@ -1,0 +1,65 @@
+"""Console logging: ``--console_log_level``, ``--console_log_file`` and ``--console_log_simple``.
+
+sd-scripts (``library/utils.py`` ``setup_logging``) logs at INFO unless ``--console_log_level`` says otherwise, to a
+file (opened with mode "w", so each run starts it afresh) instead of the console with ``--console_log_file``, and with
+``--console_log_simple`` as bare messages on stdout instead of rich's decorated lines on stderr. The same here, with
+plain text instead of rich: a line is ``LEVEL message`` on stderr, or just ``message`` on stdout with
+``--console_log_simple``. Lines written to ``--console_log_file`` keep the level name unless
+``--console_log_simple`` is given too (sd-scripts writes bare messages to the file). The trainer's final
+``error:`` lines and the progress bar stay on the console either way.
+
+Only the handler installed here is replaced when logging is set up again; other handlers on the root logger (a test
+harness's, an embedding program's) are left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from library.base.errors import UserError
+from library.config import LogConfig
+
+DETAILED = "%(levelname)s %(message)s"
+SIMPLE = "%(message)s"
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """A stream handler that writes to whatever ``sys.stderr`` / ``sys.stdout`` is at the time of each record."""
+
+    def __init__(self, stream_name: str) -> None:
+        self._stream_name = stream_name
+        super().__init__()
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return getattr(sys, self._stream_name)
+
+    @stream.setter
+    def stream(self, value) -> None:
+        del value  # the stream is looked up per record
+
+
+_installed: logging.Handler | None = None
+
+
+def setup_logging(cfg: LogConfig | None = None) -> None:
+    """Install (or replace) the trainer's log handler on the root logger and set the root level."""
+    global _installed
+    cfg = cfg or LogConfig()
+    if cfg.console_log_file:
+        try:
+            handler: logging.Handler = logging.FileHandler(cfg.console_log_file, mode="w", encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"--console_log_file {cfg.console_log_file}: cannot write it ({exc.strerror or exc}); "
+                            "give a path in an existing, writable folder") from None
+    else:
+        handler = _ConsoleHandler("stdout" if cfg.console_log_simple else "stderr")
+    handler.setFormatter(logging.Formatter(SIMPLE if cfg.console_log_simple else DETAILED))
+    root = logging.getLogger()
+    if _installed is not None:
+        root.removeHandler(_installed)
+        _installed.close()
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, cfg.console_log_level or "INFO"))
+    _installed = handler

@@ -1,0 +1,635 @@
+"""The processes of a run: the only module that knows there may be more than one.
+
+``accelerate launch --multi_gpu --num_processes N train_network.py ...`` and ``torchrun --nproc_per_node N
+train_network.py ...`` (with their multi-machine flags) start N copies of the trainer with ``RANK``,
+``WORLD_SIZE`` and ``LOCAL_RANK`` in the environment; ``start`` joins them into one ``torch.distributed`` process
+group (NCCL on GPUs, gloo on CPUs; ``--ddp_timeout``). Without those variables, or with ``WORLD_SIZE`` 1, nothing is
+started and every method below is a no-op: a single process is the N = 1 case of the same calls.
+
+What sd-scripts' ``train_network.py`` does under accelerate, and what is reproduced here:
+* each process trains on its own device (``cuda:LOCAL_RANK``, or the CPU) with a disjoint share of each epoch's
+  batches, as accelerate's ``BatchSamplerShard`` deals them (``shard_position``: batch ``rank + k·N``, the last
+  round filled from the epoch's first batches, so every process gets ``ceil(batches / N)``);
+* the network's gradients are averaged by hand once per update, after the accumulation window (sd-scripts'
+  ``all_reduce_network``); here in fp32 in one flat buffer (``GradientReducer``), rounded back into bf16 ``.grad``
+  with stochastic rounding under ``--full_bf16``, whose bits are the same on every process;
+* only the main process (rank 0) writes files and logs; every save is preceded by a barrier.
+
+Differences, on purpose: the seed is drawn on rank 0 and sent to all (sd-scripts draws one per process when
+``--seed`` is absent); the noise, timestep and dropout generators of process r are seeded with seed + r when
+training starts (sd-scripts gives every process the same noise and dropout masks); the models, the network's
+initialisation (also sent from rank 0) and the latent cache are made with the run's seed everywhere, as in
+sd-scripts; the stochastic-rounding seeds of the optimizers, the accumulator and the gradient round-back are the
+same everywhere.
+
+Decisions that must be the same everywhere (ARCHITECTURE.md) are taken from exchanged values: every collective is
+preceded by a *sync point* that exchanges each process's status, so an error, an interruption or a stop on one
+process stops all of them at the same point (``Stopped``), with the message printed once, by the main process. The
+non-finite guard reads a flag summed into the gradient buffer, and the gradient norm is computed from the averaged
+gradients, so ``--max_nan_steps`` counts the same updates on every process. The max-norm statistics need no
+exchange: they are computed from the weights, which are bit-identical on every process (checked at every save).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from library.base.errors import Stopped, TrainingDiverged, UserError
+from library.config.distributed import DistributedConfig
+from library.saving.state_file import decode, encode
+from library.train.position import Position, SaveHooks
+from optimizers.rounding import seeded_generator, step_seed, stochastic_round
+
+log = logging.getLogger(__name__)
+
+INTERRUPTED = 130
+CRASHED = 1
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """Where this process stands among the run's processes (torchrun's environment variables)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> ProcessInfo:
+        """Read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` (the machine),
+        as torchrun and ``accelerate launch`` set them; absent ones are those of a single process."""
+        env = os.environ if env is None else env
+
+        def number(name: str, default: int) -> int:
+            text = env.get(name, "")
+            try:
+                return int(text) if text.strip() else default
+            except ValueError:
+                raise UserError(f"environment variable {name}={text!r} is not a whole number; it is set by "
+                                "torchrun / accelerate launch: start the trainer through them") from None
+
+        world = number("WORLD_SIZE", 1)
+        info = cls(rank=number("RANK", 0), world_size=world, local_rank=number("LOCAL_RANK", 0),
+                   local_world_size=number("LOCAL_WORLD_SIZE", world), node_rank=number("GROUP_RANK", 0))
+        if world < 1 or not 0 <= info.rank < world:
+            raise UserError(f"environment: RANK={info.rank} with WORLD_SIZE={world} is not a valid process; start "
+                            "the trainer with torchrun or accelerate launch")
+        return info
+
+
+def shard_length(batches: int, world_size: int) -> int:
+    """Batches each process gets per epoch: ``ceil(batches / N)`` (accelerate's ``BatchSamplerShard`` with
+    ``even_batches``)."""
+    return -(-batches // world_size)
+
+
+def shard_position(local: int, batches: int, rank: int, world_size: int) -> int:
+    """The epoch position of the ``local``-th batch of process ``rank``: batches are dealt round-robin (process r
+    gets positions r, r + N, r + 2N, ...) and the last, incomplete round is filled with the epoch's first batches
+    again, as accelerate's ``BatchSamplerShard._iter_with_no_split`` does."""
+    return (rank + local * world_size) % batches
+
+
+class ShardedSampler(Sampler):
+    """This process's share of an epoch sampler's batches (``shard_position``); resumes at the process's own batch
+    index, ``sampler.start``."""
+
+    def __init__(self, sampler, rank: int, world_size: int) -> None:
+        self.sampler = sampler
+        self.rank = rank
+        self.world_size = world_size
+
+    def __len__(self) -> int:
+        return shard_length(len(self.sampler), self.world_size)
+
+    def __iter__(self) -> Iterator:
+        total = len(self.sampler)
+        return self.sampler.keys(shard_position(local, total, self.rank, self.world_size)
+                                 for local in range(self.sampler.start, len(self)))
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code a failure ends the process with (train_network.py's codes)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return INTERRUPTED
+    code = getattr(exc, "exit_code", CRASHED)
+    return code if isinstance(code, int) and code > 0 else CRASHED
+
+
+def _messages(exc: BaseException) -> list[str]:
+    if isinstance(exc, UserError):
+        return list(exc.messages)
+    if isinstance(exc, (KeyboardInterrupt, TrainingDiverged)):
+        return [str(exc)] if str(exc) else []
+    return [f"{type(exc).__name__}: {exc}"]
+
+
+def report_lines(code: int, rank: int, messages: Sequence[str]) -> list[str]:
+    """What the main process prints when process ``rank`` stopped the run with ``code`` (once for all processes)."""
+    where = "" if rank == 0 else f"process {rank}: "
+    if code == INTERRUPTED:
+        by = "" if rank == 0 else f" (process {rank})"
+        return [f"interrupted{by}: the last saved checkpoint is intact"]
+    if code == CRASHED:
+        return [f"error: {where}{message}" for message in messages] + (
+            [f"error: process {rank} failed; its traceback is in its own output"] if rank else [])
+    return [f"error: {where}{message}" for message in messages]
+
+
+class _Signals:
+    """Ctrl-C / SIGTERM in a multi-process run: raised at once, except inside a sync point, where it waits until the
+    collective is done (a process leaving a collective half-way would leave the others waiting for it); a signal
+    that arrives before a sync point's exchange makes that exchange report the interruption."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending = False
+        self.previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.depth:
+            self.pending = True
+            return
+        raise KeyboardInterrupt
+
+    def take_pending(self) -> bool:
+        pending, self.pending = self.pending, False
+        return pending
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        if not self.depth and self.take_pending():
+            raise KeyboardInterrupt
+
+    def ignore(self) -> None:
+        """After a stop everyone agreed on: the exit must not be cut short (torchrun signals the processes still
+        running when the first one exits)."""
+        for signum in self.previous:
+            signal.signal(signum, signal.SIG_IGN)
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous.clear()
+
+
+@dataclass
+class Exchange:
+    """The values a sync point exchanged: each process's own values, and the sums of the summed ones."""
+
+    own: list[list[int]]
+    summed: list[int]
+
+
+def _pack(obj: Any) -> bytes:
+    """Bytes of a tree of tensors and plain values, without pickle (``library/saving/state_file.py``'s encoding)."""
+    from safetensors.torch import save
+
+    tree, tensors = encode(obj)
+    return save({**tensors, "tree": torch.frombuffer(bytearray(json.dumps(tree).encode()), dtype=torch.uint8)})
+
+
+def _unpack(data: bytes) -> Any:
+    from safetensors.torch import load
+
+    tensors = load(data)
+    return decode(json.loads(bytes(tensors.pop("tree").tolist()).decode()), tensors)
+
+
+@dataclass
+class Processes:
+    """The run's processes as seen from one of them; a context manager around the run (see the module docstring).
+
+    A failure inside the ``with`` block of one process is reported to the others at their next sync point; every
+    process then leaves with ``Stopped`` (or, for a crash, the original exception on the process where it happened).
+    """
+
+    info: ProcessInfo = field(default_factory=ProcessInfo)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _control: Any = None  # status exchanges and small values, on the CPU (gloo); the default group for tensors
+    _owned: list = field(default_factory=list)  # groups this object created and destroys
+    _signals: _Signals = field(default_factory=_Signals)
+    _stopping: bool = False
+    _broken: bool = False
+    _failures: dict[int, list[str]] = field(default_factory=dict)  # messages of the processes that failed
+    rank_rngs: list[Any] = field(default_factory=list)  # the other processes' random states, at the last save
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.info.is_main
+
+    @property
+    def distributed(self) -> bool:
+        return self.info.distributed
+
+    # --- the run as a context ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or not self.distributed or self._broken or isinstance(exc, Stopped) or self._stopping:
+            self._close(failed=exc is not None)
+            return False
+        code = exit_code(exc)
+        self._signals.ignore()
+        try:
+            codes = self._exchange(code=code, messages=_messages(exc))
+        finally:
+            self._close(failed=True)
+        if code == CRASHED:
+            return False  # the traceback of a crash is printed where it happened
+        raise self._stopped(codes) from None
+
+    def _close(self, failed: bool) -> None:
+        if not failed:
+            self._signals.restore()
+            for group in self._owned:
+                dist.destroy_process_group(group)
+        self._owned.clear()
+
+    # --- sync points ------------------------------------------------------------------------------------------
+
+    def _collective(self, function: Callable[..., Any], *args, **kwargs) -> None:
+        """Run a collective; one that fails leaves the group unusable, so no failure is reported through it."""
+        try:
+            function(*args, **kwargs)
+        except RuntimeError:
+            self._broken = True
+            raise
+
+    def _exchange(self, *, code: int = 0, messages: Sequence[str] = ()) -> list[int]:
+        """A sync point's status exchange: every process's status code (0: fine), the same 2·N integers at every
+        sync point, so that a process reporting a failure from anywhere meets the others at whichever sync point
+        they have reached. When a process failed, its messages follow (``self._failures``)."""
+        world = self.world_size
+        if self._signals.take_pending() and not code:
+            code, messages = INTERRUPTED, []
+        text = "\n".join(messages).encode()
+        status = [0] * (2 * world)
+        status[self.rank], status[world + self.rank] = code, len(text)
+        values = torch.tensor(status, dtype=torch.int64)  # host integers: reading them back waits for no device
+        self._collective(dist.all_reduce, values, group=self._control)
+        codes, lengths = values[:world].tolist(), values[world:].tolist()
+        if any(codes):
+            self._stopping = True
+            gathered = self._all_gather_bytes(text, max(lengths))
+            self._failures = {r: gathered[r][:lengths[r]].decode().split("\n") if lengths[r] else []
+                              for r in range(world) if codes[r]}
+        return codes
+
+    def _values(self, own: Sequence[int], summed: Sequence[int]) -> Exchange:
+        """Every process's ``own`` integers (the same count everywhere) and the sums of ``summed``."""
+        world, width = self.world_size, len(own)
+        mine = [0] * (world * width)
+        mine[self.rank * width:(self.rank + 1) * width] = own
+        values = torch.tensor(mine + list(summed), dtype=torch.int64)  # host integers
+        self._collective(dist.all_reduce, values, group=self._control)
+        values = values.tolist()
+        return Exchange([values[r * width:(r + 1) * width] for r in range(world)], values[world * width:])
+
+    def _all_gather_bytes(self, data: bytes, size: int) -> list[bytes]:
+        """Every process's ``data`` (each at most ``size`` bytes, a length agreed in a preceding exchange), padded
+        with zeros to ``size``."""
+        buffer = torch.zeros(max(1, size), dtype=torch.uint8)
+        if data:
+            buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        gathered = [torch.zeros_like(buffer) for _ in range(self.world_size)]
+        self._collective(dist.all_gather, gathered, buffer, group=self._control)
+        return [g.numpy().tobytes() for g in gathered]
+
+    def _stopped(self, codes: list[int]) -> Stopped:
+        """The stop of this process: its own code if it failed, else that of the first process that did."""
+        first = next(r for r, c in enumerate(codes) if c)
+        lines = report_lines(codes[first], first, self._failures[first]) if self.is_main else []
+        return Stopped(codes[self.rank] or codes[first], lines)
+
+    @contextmanager
+    def _sync_point(self, own: Sequence[int] = (), summed: Sequence[int] = ()) -> Iterator[Exchange]:
+        """Exchange statuses (raise ``Stopped`` when a process failed), then the values and the block's
+        collectives, all with signals deferred."""
+        with self._signals.deferred():
+            codes = self._exchange()
+            if any(codes):
+                self._signals.ignore()
+                raise self._stopped(codes)
+            yield self._values(own, summed) if own or summed else Exchange([[] for _ in codes], [])
+
+    def sync(self) -> None:
+        """A barrier that also stops every process when one of them failed before reaching it."""
+        if self.distributed:
+            with self._sync_point():
+                pass
+
+    # --- the run's decisions ----------------------------------------------------------------------------------
+
+    def decide_seed(self, seed: int | None) -> int:
+        """The run's seed: ``--seed``, else drawn on the main process; the main process's value is used by all."""
+        if seed is None and self.is_main:
+            seed = random.randint(0, 2**31 - 1)
+        if not self.distributed:
+            return seed
+        with self._sync_point(summed=[seed if self.is_main else 0]) as outcome:
+            return outcome.summed[0]
+
+    def process_seed(self, seed: int) -> int:
+        """The seed of this process's noise, timestep and dropout generators: seed + rank."""
+        return seed + self.rank
+
+    def seed_generators(self, seed: int) -> None:
+        """When training starts, seed torch's and Python's global generators (the network's dropouts draw from
+        them) with ``process_seed``, so that processes do not drop the same units. Until then they hold the run's
+        seed on every process, as in sd-scripts, so that a random-weight model and the network's initialisation are
+        the same everywhere. A single process keeps its generators as they are."""
+        if self.distributed:
+            torch.manual_seed(self.process_seed(seed))
+            random.seed(self.process_seed(seed))
+
+    def owns_item(self, index: int) -> bool:
+        """Whether this process encodes the ``index``-th image of a sharded cache (sd-scripts: index mod N)."""
+        return index % self.world_size == self.rank
+
+    def shard(self, sampler) -> Sampler:
+        """This process's share of an epoch sampler (the sampler itself in a single process)."""
+        return ShardedSampler(sampler, self.rank, self.world_size) if self.distributed else sampler
+
+    def broadcast_from_main(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Overwrite ``tensors`` on every process with the main process's values (one flat broadcast per dtype)."""
+        if not self.distributed:
+            return
+        with self._sync_point():
+            self._broadcast(tensors)
+
+    def _broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)
+                self._collective(dist.broadcast, flat, src=0)
+                start = 0
+                for t in group:
+                    t.copy_(flat[start:start + t.numel()].view_as(t))
+                    start += t.numel()
+
+    def gate_saves(self, hooks: SaveHooks, params: Sequence[torch.Tensor], local_rng: Callable[[], Any]) -> SaveHooks:
+        """The save callbacks as every process calls them: a sync point (the barrier before a save) that checks
+        that the weights are the same everywhere and collects every process's random state (for ``--save_state``),
+        then the save itself on the main process only. A single process gets ``hooks`` unchanged."""
+        if not self.distributed:
+            return hooks
+
+        def gated(save: Callable[[Position], None]) -> Callable[[Position], None]:
+            def call(pos: Position) -> None:
+                self._before_save(params, local_rng())
+                if self.is_main:
+                    save(pos)
+            return call
+
+        return SaveHooks(hooks.every_n_steps, hooks.every_n_epochs, gated(hooks.step_save), gated(hooks.epoch_save),
+                         gated(hooks.final_save))
+
+    def _before_save(self, params: Sequence[torch.Tensor], rng: Any) -> None:
+        blob = _pack(rng)
+        with self._sync_point(own=[fingerprint(params), len(blob)]) as outcome:
+            prints = {own[0] for own in outcome.own}
+            if len(prints) > 1:
+                if self.is_main:
+                    log.warning("the processes' LoRA weights differ (an optimizer drawing rounding bits from "
+                                "torch's global generator?); the main process's weights are sent to all")
+                self._broadcast(params)
+            gathered = self._all_gather_bytes(blob, max(own[1] for own in outcome.own))
+        if self.is_main:
+            self.rank_rngs = [_unpack(data[:own[1]]) for data, own in zip(gathered, outcome.own, strict=True)][1:]
+
+    def gradient_reducer(self, params: Sequence[torch.nn.Parameter], seed: int, *,
+                         gradient_as_bucket_view: bool = False) -> GradientReducer:
+        return GradientReducer(self, list(params), seed, gradient_as_bucket_view)
+
+    def all_reduce_sum(self, flat: torch.Tensor, summed: Sequence[int]) -> list[int]:
+        """Sum ``flat`` (on the training device) and the host integers ``summed`` over all processes; one sync
+        point."""
+        with self._sync_point(summed=summed) as outcome:
+            self._collective(dist.all_reduce, flat)
+            return outcome.summed
+
+
+def fingerprint(tensors: Sequence[torch.Tensor]) -> int:
+    """A 48-bit hash of the tensors' bits (equal tensors, equal hash), to compare replicas."""
+    total = torch.zeros((), dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
+    for index, t in enumerate(tensors):
+        bits = t.detach().reshape(-1)
+        bits = bits.view(_INT_OF_SIZE[bits.element_size()]).to(torch.int64)
+        weights = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64) * (2 * index + 1)
+        total += (bits * weights).sum()
+    return int(total) & ((1 << 48) - 1)
+
+
+@dataclass
+class GradientReducer:
+    """sd-scripts' ``all_reduce_network`` (the mean of the network's gradients over the processes, once per
+    update), in fp32 and in one flat buffer: one collective per update however many tensors the network has.
+
+    Layout: the gradients of the fp32 tensors, then the bf16 ones, then the fp16 ones, then one element counting
+    the processes whose loss was not finite this window. A tensor without a gradient on a process contributes
+    zeros; one without a gradient on every process keeps ``.grad`` None (the processes' gradient presence is summed
+    in the same sync point's status exchange, on the host). The mean is rounded back into bf16 ``.grad`` with
+    stochastic rounding (``optimizers/rounding.py``; seeded by the run and the reduction count, so identical on
+    every process): a bf16 sum would round to nearest and undo what the stochastic accumulation kept. fp16
+    gradients (``--full_fp16``) are rounded to nearest. fp32 gradients are copied out of the buffer, or with
+    ``--ddp_gradient_as_bucket_view`` become views of it (one copy of the gradients less in memory).
+    """
+
+    processes: Processes
+    params: list[torch.nn.Parameter]
+    seed: int
+    as_views: bool = False
+    reductions: int = 0
+    _flat: torch.Tensor | None = None
+    _slots: list[tuple[int, int, int]] = field(default_factory=list)  # (param index, start, stop)
+    _regions: dict[torch.dtype, tuple[int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        order = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+        start = 0
+        for index in sorted(range(len(self.params)), key=lambda i: order.get(self.params[i].dtype, 3)):
+            p = self.params[index]
+            low, _ = self._regions.get(p.dtype, (start, start))
+            self._slots.append((index, start, start + p.numel()))
+            start += p.numel()
+            self._regions[p.dtype] = (low, start)
+
+    def reduce(self, loss_finite: torch.Tensor | None) -> torch.Tensor | None:
+        """Average the gradients over the processes; returns whether every process's loss was finite, a device flag
+        (so that no host sync is needed; ``loss_finite`` None: no micro-batch here, counted as finite). A single
+        process returns ``loss_finite`` unchanged."""
+        if not self.processes.distributed:
+            return loss_finite
+        size = self._slots[-1][2] if self._slots else 0
+        if self._flat is None or self.as_views:  # views: a new buffer, the previous one is the last update's .grad
+            self._flat = torch.empty(size + 1, dtype=torch.float32, device=self.processes.device)
+        flat = self._flat
+        present = [0] * len(self.params)
+        with torch.no_grad():
+            for index, start, stop in self._slots:
+                grad = self.params[index].grad
+                if grad is None:
+                    flat[start:stop].zero_()
+                else:
+                    flat[start:stop].copy_(grad.reshape(-1))
+                    present[index] = 1
+            if loss_finite is None:
+                flat[size:].zero_()
+            else:
+                flat[size:].copy_((~loss_finite.to(flat.device, torch.bool)).float().reshape(1))
+            counts = self.processes.all_reduce_sum(flat, present)
+            flat[:size].div_(self.processes.world_size)
+            self._assign(flat, counts)
+        self.reductions += 1
+        return flat[size] == 0
+
+    def _assign(self, flat: torch.Tensor, counts: list[int]) -> None:
+        rounded: dict[torch.dtype, torch.Tensor] = {}
+        for dtype, (low, high) in self._regions.items():
+            if dtype == torch.bfloat16:
+                generator = seeded_generator(flat.device, step_seed(self.seed, self.reductions))
+                rounded[dtype] = stochastic_round(flat[low:high], generator)
+            elif dtype != torch.float32:
+                rounded[dtype] = flat[low:high].to(dtype)
+        for index, start, stop in self._slots:
+            p = self.params[index]
+            if not counts[index]:
+                p.grad = None
+                continue
+            if p.dtype in rounded:
+                low = self._regions[p.dtype][0]
+                p.grad = rounded[p.dtype][start - low:stop - low].view_as(p)
+            elif self.as_views:
+                p.grad = flat[start:stop].view_as(p)
+            elif p.grad is not None and p.grad.dtype == torch.float32:
+                p.grad.copy_(flat[start:stop].view_as(p))
+            else:
+                p.grad = flat[start:stop].view_as(p).clone()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "reductions": self.reductions}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seed = int(state["seed"])
+        self.reductions = int(state["reductions"])
+
+
+def start(cfg: DistributedConfig, env: dict[str, str] | None = None) -> Processes:
+    """Join the run's processes (or, in a single process, return one that does nothing).
+
+    A process group that already exists (a caller made one) is used as it is and left open at the end."""
+    info = ProcessInfo.from_env(env)
+    if not info.distributed:
+        return Processes(info, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    timeout = timedelta(minutes=cfg.ddp_timeout) if cfg.ddp_timeout else None
+    if torch.cuda.is_available():
+        if info.local_rank >= torch.cuda.device_count():
+            raise UserError(f"{info.local_world_size} processes on this machine but {torch.cuda.device_count()} "
+                            "GPUs visible: start at most one process per GPU (--num_processes / --nproc_per_node)")
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl" if dist.is_nccl_available() else "gloo"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    processes = Processes(info, device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timeout)
+        processes._owned.append(None)
+    if dist.get_world_size() != info.world_size or dist.get_rank() != info.rank:
+        raise UserError(f"the existing process group has {dist.get_world_size()} processes (this one rank "
+                        f"{dist.get_rank()}), but the environment says {info.world_size} (rank {info.rank})")
+    if dist.get_backend() == "gloo":
+        processes._control = None
+    else:
+        processes._control = dist.new_group(backend="gloo", timeout=timeout)
+        processes._owned.insert(0, processes._control)
+    _log_per_rank(info)
+    processes._signals.install()
+    if info.is_main:
+        log.info("%d processes on %d machine(s), %s backend; this is the main process on %s", info.world_size,
+                 math.ceil(info.world_size / info.local_world_size), dist.get_backend(), device)
+    return processes
+
+
+def check_supported(info: ProcessInfo, *, fused_backward_pass: bool) -> None:
+    """What a multi-process run cannot do; ``UserError`` naming the way out."""
+    if info.distributed and fused_backward_pass:
+        raise UserError(f"--fused_backward_pass with {info.world_size} processes: it steps each tensor inside "
+                        "backward, before the processes' gradients could be averaged, so the processes would "
+                        "train apart; drop --fused_backward_pass (the gradients are then averaged once per "
+                        "update), or train in one process")
+
+
+def _log_per_rank(info: ProcessInfo) -> None:
+    """Processes other than the main one log warnings and errors only, each line marked with its rank."""
+    if info.is_main:
+        return
+    root = logging.getLogger()
+    root.setLevel(logging.WARNING)
+    for handler in root.handlers:
+        handler.setFormatter(logging.Formatter(f"[process {info.rank}] %(levelname)s %(message)s"))
+
+
+def describe_options(cfg: DistributedConfig, info: ProcessInfo) -> list[str]:
+    """What the DDP flags do in this run (there is no DDP wrapper: the LoRA is patched into the frozen model and its
+    gradients are averaged by ``GradientReducer``)."""
+    lines = []
+    if cfg.ddp_static_graph:
+        lines.append("--ddp_static_graph: no effect here: there is no DDP wrapper whose graph could be fixed; the "
+                     "gradients are averaged in one flat all-reduce per update, which needs no graph")
+    if cfg.ddp_gradient_as_bucket_view and not info.distributed:
+        lines.append("--ddp_gradient_as_bucket_view: no effect in a single process (no gradients are reduced)")
+    if cfg.ddp_timeout and not info.distributed:
+        lines.append("--ddp_timeout: no effect in a single process (no process group)")
+    return lines

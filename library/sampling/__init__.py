@@ -1,0 +1,1 @@
+"""Sample images during training: prompt files, samplers, text conditioning and drawing."""

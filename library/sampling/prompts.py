@@ -1,0 +1,305 @@
+"""``--sample_prompts`` files and the sampling cadence, read and checked before anything loads.
+
+The file forms are sd-scripts' (``library/train_util.py``: ``load_prompts``, ``line_to_prompt_dict``,
+``sample_images_common``, ``sample_image_inference``):
+
+* ``.txt``: one prompt per line; empty lines and lines whose first character is ``#`` are skipped (an indented
+  ``#`` is part of a prompt, as in sd-scripts). Options follow the prompt, each introduced by `` --``:
+  ``--n`` negative prompt, ``--w`` / ``--h`` width / height in pixels (default 512; rounded down to a multiple
+  of 8, at least 64), ``--d`` seed (default: a fresh random seed each time), ``--l`` CFG scale (default 7.5; 1 or
+  less turns guidance and the negative prompt off), ``--s`` steps (default 30, clamped to 1…1000), ``--ss``
+  sampler (default ``--sample_sampler``). Option names are case-insensitive. ``--g``, ``--cn``, ``--ctr``,
+  ``--rcfg`` and ``--fs`` belong to sd-scripts' FLUX.1 / SD3 / Lumina / ControlNet samplers; SD 1.x/2.x samples
+  ignore them (sd-scripts' ``train_network.py`` does too), and a warning says so.
+* ``.toml``: a ``[prompt]`` table of defaults and a ``[[prompt.subset]]`` list, one table per image, with the keys
+  ``prompt``, ``negative_prompt``, ``width``, ``height``, ``seed``, ``sample_steps``, ``scale``,
+  ``sample_sampler`` (and the ignored ``guidance_scale``, ``controlnet_image``, ``cfg_trunc_ratio``,
+  ``renorm_cfg``, ``flow_shift``). A subset's key overrides the default (sd-scripts fails on such a repeat).
+* ``.json``: a list whose items are such tables or ``.txt``-style lines.
+
+Where we are stricter: sd-scripts skips an option it cannot read (an unknown ``--x``, ``--w 5l2``, ``--d -1``)
+and falls back to DDIM for an unknown sampler; here each is an error naming the file, the line (or table) and
+the option, raised before the data or the models are loaded. Cadence (``sample_images_common``): at first
+(before the first update, also on resume) when ``--sample_at_first``; after an update when ``global_step`` is a
+multiple of ``--sample_every_n_steps``; after epoch ``e`` when ``e`` is a multiple of ``--sample_every_n_epochs``,
+which wins over the steps when both are given. A value of 0 or less turns that cadence off (with a warning).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from library.base.errors import UserError, did_you_mean
+from library.config import SampleConfig
+from library.sampling.schedulers import SAMPLER_SPECS, missing_package
+from library.text.weights import parse_prompt_attention
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIZE = 512
+DEFAULT_STEPS = 30
+DEFAULT_SCALE = 7.5
+
+
+@dataclass(frozen=True)
+class SamplePrompt:
+    """One sample image: the ``index`` (0-based, in file order) names its file; sizes as written in the file;
+    ``where`` is its line or table in the prompt file."""
+
+    index: int
+    prompt: str
+    negative_prompt: str | None = None
+    width: int = DEFAULT_SIZE
+    height: int = DEFAULT_SIZE
+    seed: int | None = None
+    steps: int = DEFAULT_STEPS
+    scale: float = DEFAULT_SCALE
+    sampler: str | None = None
+    where: str = field(default="", compare=False)
+
+    def image_size(self) -> tuple[int, int]:
+        """(width, height) drawn: rounded down to a multiple of 8, at least 64 (sd-scripts)."""
+        return max(64, self.width - self.width % 8), max(64, self.height - self.height % 8)
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """What to draw and when; ``every_n_steps`` is None when ``every_n_epochs`` is set (epochs win)."""
+
+    prompt_file: Path
+    prompts: tuple[SamplePrompt, ...]
+    sampler: str
+    every_n_steps: int | None
+    every_n_epochs: int | None
+    at_first: bool
+
+
+# option of a .txt line -> (table key, kind); kinds: text, size, seed, steps, scale, sampler, ignored_*
+_LINE_OPTIONS = {
+    "n": ("negative_prompt", "text"),
+    "w": ("width", "size"),
+    "h": ("height", "size"),
+    "d": ("seed", "seed"),
+    "s": ("sample_steps", "steps"),
+    "l": ("scale", "scale"),
+    "ss": ("sample_sampler", "sampler"),
+    "g": ("guidance_scale", "ignored_number"),
+    "cn": ("controlnet_image", "ignored_text"),
+    "ctr": ("cfg_trunc_ratio", "ignored_number"),
+    "rcfg": ("renorm_cfg", "ignored_number"),
+    "fs": ("flow_shift", "ignored_text"),
+}
+_KEY_KINDS = {"prompt": "text", **dict(_LINE_OPTIONS.values())}
+_IGNORED_BY = {"guidance_scale": "FLUX.1", "controlnet_image": "ControlNet", "cfg_trunc_ratio": "Lumina",
+               "renorm_cfg": "Lumina", "flow_shift": "SD3 / FLUX.1 / HunyuanImage"}
+_OPTION_OF_KEY = {key: option for option, (key, _) in _LINE_OPTIONS.items()}
+_DIGITS = re.compile(r"\d+")
+
+
+class _Problems:
+    """Collects every problem of a prompt file, each prefixed with its place, and the 'ignored' warnings."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.errors: list[str] = []
+        self.ignored: dict[str, list[str]] = {}
+
+    def error(self, where: str, message: str) -> None:
+        self.errors.append(f"{self.path}:{where}: {message}")
+
+
+def _convert(kind: str, value: Any, label: str, where: str, problems: _Problems) -> Any:
+    """A value of the given kind from a line option (always a string) or a TOML/JSON value; None if bad."""
+    text = value.strip() if isinstance(value, str) else None
+    if kind in ("text", "ignored_text"):
+        if not isinstance(value, str):
+            problems.error(where, f"{label}: expected text, got {value!r}")
+            return None
+        return value
+    if kind in ("size", "seed", "steps"):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            number = value
+        elif text is not None and _DIGITS.fullmatch(text):
+            number = int(text)
+        else:
+            hint = {"size": "a width/height in pixels, e.g. 512", "seed": "a seed such as 42 (leave it out for "
+                    "a random seed)", "steps": "a number of steps, e.g. 28"}[kind]
+            problems.error(where, f"{label} {value!r}: expected a whole number >= 0: {hint}")
+            return None
+        if kind == "size" and number == 0:
+            problems.error(where, f"{label} 0: expected a size in pixels, e.g. 512")
+            return None
+        return max(1, min(1000, number)) if kind == "steps" else number
+    if kind in ("scale", "ignored_number"):
+        try:
+            number = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number) or number < 0:
+            problems.error(where, f"{label} {value!r}: expected a number >= 0, e.g. 7.5")
+            return None
+        return number
+    if not isinstance(value, str) or value.strip().lower() not in SAMPLER_SPECS:
+        problems.error(where, f"{label} {value!r}: unknown sampler{did_you_mean(str(value), SAMPLER_SPECS)}; "
+                       f"choose from {', '.join(SAMPLER_SPECS)}")
+        return None
+    return value.strip().lower()
+
+
+def _prompt_from_table(index: int, table: dict[str, Any], where: str, problems: _Problems,
+                       label_of=lambda key: f'key "{key}"') -> SamplePrompt | None:
+    before = len(problems.errors)
+    values: dict[str, Any] = {}
+    for key, raw in table.items():
+        kind = _KEY_KINDS.get(key)
+        if kind is None:
+            problems.error(where, f'unknown key "{key}"{did_you_mean(key, _KEY_KINDS)}; sample prompt keys: '
+                           f"{', '.join(k for k in _KEY_KINDS if k not in _IGNORED_BY)}")
+            continue
+        value = _convert(kind, raw, label_of(key), where, problems)
+        if kind.startswith("ignored"):
+            problems.ignored.setdefault(key, []).append(where)
+        elif value is not None:
+            values[key] = value
+    for key in ("prompt", "negative_prompt"):
+        if isinstance(values.get(key), str):
+            try:
+                parse_prompt_attention(values[key])
+            except UserError:
+                problems.error(where, f"{label_of(key)} {values[key]!r}: a weight such as (word:1.2) is not a "
+                               "number")
+    if len(problems.errors) > before:
+        return None
+    return SamplePrompt(index=index, prompt=values.get("prompt", ""), negative_prompt=values.get("negative_prompt"),
+                        width=values.get("width", DEFAULT_SIZE), height=values.get("height", DEFAULT_SIZE),
+                        seed=values.get("seed"), steps=values.get("sample_steps", DEFAULT_STEPS),
+                        scale=values.get("scale", DEFAULT_SCALE), sampler=values.get("sample_sampler"), where=where)
+
+
+def parse_prompt_line(index: int, line: str, where: str, problems: _Problems) -> SamplePrompt | None:
+    """A ``.txt`` line (or a JSON string): the prompt up to the first `` --``, then one option per `` --``."""
+    prompt, *options = line.split(" --")
+    table: dict[str, Any] = {"prompt": prompt}
+    for option in options:
+        name, _, value = option.partition(" ")
+        key_kind = _LINE_OPTIONS.get(name.lower())
+        if key_kind is None:
+            known = [f"--{o}" for o in _LINE_OPTIONS]
+            problems.error(where, f"unknown option --{name}{did_you_mean('--' + name.lower(), known)}; sample "
+                           "prompt options: --n --w --h --d --l --s --ss")
+            continue
+        if not value.strip():
+            problems.error(where, f"--{name} needs a value")
+            continue
+        table[key_kind[0]] = value
+    return _prompt_from_table(index, table, where, problems,
+                              lambda key: "prompt" if key == "prompt" else f"--{_OPTION_OF_KEY[key]}")
+
+
+def _read(path: Path, problems: _Problems) -> list[SamplePrompt | None]:
+    suffix = path.suffix.lower()
+    if suffix not in (".txt", ".toml", ".json"):
+        raise UserError(f"--sample_prompts {path}: use a .txt, .toml or .json prompt file")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise UserError(f"--sample_prompts {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--sample_prompts {path}: cannot read it as UTF-8 text ({exc})") from None
+    if suffix == ".txt":
+        lines = [(number, raw.strip()) for number, raw in enumerate(text.splitlines(), 1)
+                 if raw.strip() and not raw.startswith("#")]
+        return [parse_prompt_line(i, line, str(number), problems) for i, (number, line) in enumerate(lines)]
+    if suffix == ".toml":
+        import toml
+
+        try:
+            data = toml.loads(text)
+        except toml.TomlDecodeError as exc:
+            raise UserError(f"--sample_prompts {path}: not valid TOML ({exc})") from None
+        defaults = data.get("prompt")
+        subsets = defaults.get("subset") if isinstance(defaults, dict) else None
+        if not isinstance(subsets, list) or not all(isinstance(s, dict) for s in subsets):
+            raise UserError(f"--sample_prompts {path}: expected a [prompt] table of defaults and one "
+                            "[[prompt.subset]] table per image")
+        shared = {k: v for k, v in defaults.items() if k != "subset"}
+        return [_prompt_from_table(i, {**shared, **subset}, f"prompt.subset[{i}]", problems)
+                for i, subset in enumerate(subsets)]
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--sample_prompts {path}: not valid JSON ({exc})") from None
+    if not isinstance(data, list):
+        raise UserError(f"--sample_prompts {path}: expected a JSON list of prompt lines or tables")
+    prompts = []
+    for i, item in enumerate(data):
+        if isinstance(item, str):
+            prompts.append(parse_prompt_line(i, item, f"[{i}]", problems))
+        elif isinstance(item, dict):
+            prompts.append(_prompt_from_table(i, item, f"[{i}]", problems))
+        else:
+            problems.error(f"[{i}]", f"expected a prompt line or a table, got {item!r}")
+    return prompts
+
+
+def load_prompt_file(path: str | Path) -> list[SamplePrompt]:
+    """Every prompt of a ``.txt`` / ``.toml`` / ``.json`` prompt file; all problems at once as a ``UserError``."""
+    problems = _Problems(Path(path))
+    prompts = _read(problems.path, problems)
+    if problems.errors:
+        raise UserError(*problems.errors)
+    for key, places in problems.ignored.items():
+        log.warning("%s:%s: --%s (%s) is for sd-scripts' %s samples; SD 1.x/2.x samples ignore it, as "
+                    "sd-scripts' train_network.py does", problems.path, ",".join(places), _OPTION_OF_KEY[key], key,
+                    _IGNORED_BY[key])
+    return [p for p in prompts if p is not None]
+
+
+def _cadence(name: str, value: int | None) -> int | None:
+    if value is not None and value <= 0:
+        log.warning("%s %d: 0 or less turns it off (as in sd-scripts)", name, value)
+        return None
+    return value
+
+
+def plan_samples(cfg: SampleConfig) -> SamplePlan | None:
+    """When and what to sample, or None when no sample image will be drawn; bad prompt files raise ``UserError``."""
+    every_steps = _cadence("--sample_every_n_steps", cfg.sample_every_n_steps)
+    every_epochs = _cadence("--sample_every_n_epochs", cfg.sample_every_n_epochs)
+    if not (every_steps or every_epochs or cfg.sample_at_first):
+        if cfg.sample_prompts:
+            log.info("--sample_prompts %s: no --sample_every_n_steps, --sample_every_n_epochs or --sample_at_first, "
+                     "so no sample images are drawn", cfg.sample_prompts)
+        return None
+    if not cfg.sample_prompts:
+        given = [f"--{n}" for n, v in (("sample_every_n_steps", every_steps), ("sample_every_n_epochs", every_epochs),
+                                       ("sample_at_first", cfg.sample_at_first)) if v]
+        raise UserError(f"{' / '.join(given)} needs --sample_prompts FILE (.txt, .toml or .json) with the prompts "
+                        "of the sample images")
+    if every_steps and every_epochs:
+        log.info("--sample_every_n_epochs %d wins over --sample_every_n_steps %d (as in sd-scripts)", every_epochs,
+                 every_steps)
+        every_steps = None
+    path = Path(cfg.sample_prompts)
+    prompts = load_prompt_file(path)
+    if not prompts:
+        log.warning("--sample_prompts %s has no prompts: no sample images are drawn", path)
+        return None
+    sampler = cfg.sample_sampler.lower()
+    missing = [f"{name}: the {SAMPLER_SPECS[name].scheduler} scheduler needs {package}; pip install {package}, "
+               "or choose another sampler such as euler or ddim"
+               for name in sorted({sampler, *(p.sampler for p in prompts if p.sampler)})
+               if (package := missing_package(name))]
+    too_few = [f"{path}:{p.where}: --s {p.steps}: the {name} sampler needs at least {SAMPLER_SPECS[name].min_steps} "
+               "steps; use more steps or another sampler"
+               for p in prompts if p.steps < SAMPLER_SPECS[name := p.sampler or sampler].min_steps]
+    if missing or too_few:
+        raise UserError(*(f"--sample_sampler / --ss {line}" for line in missing), *too_few)
+    return SamplePlan(prompt_file=path, prompts=tuple(prompts), sampler=sampler, every_n_steps=every_steps,
+                      every_n_epochs=every_epochs, at_first=cfg.sample_at_first)

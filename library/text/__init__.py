@@ -1,0 +1,1 @@
+"""Caption and prompt text: attention-weight syntax and token chunking."""

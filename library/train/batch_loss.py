@@ -1,0 +1,138 @@
+"""The loss of one batch: latents, text conditioning, noise, UNet prediction, weighted loss.
+
+What differs between SD 1.x/2.x and SDXL (text encoders, the UNet's extra inputs) is the model family's
+(``library/families/registry.py``); a batch with ``text_outputs`` (SDXL's ``--cache_text_encoder_outputs``) skips the
+text encoders.
+
+Follows sd-scripts' ``NetworkTrainer.process_batch`` for SD1.x/2.x: latents are the VAE sample
+× scaling factor (0.18215), NaN latents become 0 with a warning, the text encoder runs with gradients
+only when its LoRA is trained, the UNet runs under the precision policy's autocast, and the loss is
+computed in fp32 (``library/train/loss.py``). Nothing here waits for the device: noise, timesteps and the VAE sample
+come
+from ``generator`` (a CUDA generator on CUDA), ᾱ and the SNR table are put on the device once, batch tensors are
+moved without blocking (``library/readout.to_device``), and the NaN-latents warning is decided at the update's
+host read (``Readout.defer``) instead of by an ``if`` on a device value. Pyramid noise picks its level sizes on the
+host, from ``host_generator`` (the same generator on the CPU).
+
+A batch with ``loss_masks`` (alpha channels or mask images, see ``library/data/batches.py``) weights the elementwise
+loss by them, as sd-scripts' ``apply_masked_loss``: the alpha mask applies whenever a subset has ``alpha_mask``, mask
+images only with ``--masked_loss`` (the data stage refuses them otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from library.base.errors import UserError
+from library.config import LossConfig, NoiseConfig
+from library.families.precision import PrecisionPolicy
+from library.families.registry import SDFamily, SDXLFamily
+from library.families.sd.parts import SDModel
+from library.families.sd.text_encoding import encode_text
+from library.train.loss import training_loss
+from library.train.noise import loss_weight_snr, noisy_latents, sample_noise, sample_timesteps, training_target
+from library.train.readout import Readout, to_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceSchedule:
+    """The noise schedule's tables on the training device, fp32: ᾱ (after any zero-terminal-SNR rescale) and the SNR
+    table of the loss weights (``noise.loss_weight_snr``)."""
+
+    alphas_cumprod: torch.Tensor
+    all_snr: torch.Tensor
+
+
+@dataclass
+class BatchLoss:
+    """Computes the training loss of a batch; everything it needs is fixed when it is built."""
+
+    model: SDModel
+    network: torch.nn.Module
+    noise: NoiseConfig
+    loss: LossConfig
+    policy: PrecisionPolicy
+    device: torch.device
+    generator: torch.Generator
+    clip_skip: int | None
+    max_token_length: int | None
+    train_text_encoder: bool
+    weighted_captions: bool = False
+    family: SDFamily | SDXLFamily = SDFamily()
+    readout: Readout = field(default_factory=Readout)
+    host_generator: torch.Generator | None = None
+    schedule: DeviceSchedule | None = None  # made once from the model's scheduler (kept by dataclasses.replace)
+
+    def __post_init__(self) -> None:
+        if self.schedule is None:
+            scheduler = self.model.noise_scheduler
+            self.schedule = DeviceSchedule(scheduler.alphas_cumprod.to(self.device, torch.float32),
+                                           loss_weight_snr(scheduler).to(self.device, torch.float32))
+
+    def latents(self, batch: dict) -> torch.Tensor:
+        """Scaled latents of the batch, from the cache or encoded now with the frozen VAE."""
+        vae = self.model.vae
+        if "latents" in batch:
+            latents = to_device(batch["latents"], self.device).float()
+        else:
+            with torch.no_grad():
+                images = to_device(batch["images"], self.device).to(self.policy.vae_dtype)
+                latents = vae.encode(images).latent_dist.sample(generator=self.generator).float()
+        paths = batch.get("image_paths")
+
+        def report(finite: list[float]) -> None:
+            if not finite[0]:
+                log.warning("NaN/Inf in VAE latents of %s; replaced by 0 (try --no_half_vae)", paths)
+
+        self.readout.defer(torch.isfinite(latents).all(), report)
+        latents = torch.nan_to_num(latents, nan=0.0, posinf=0.0, neginf=0.0)
+        return latents * vae.config.scaling_factor
+
+    def conditioning(self, captions: list[str]):
+        """The text conditioning of the captions (the model family's); with ``--weighted_captions`` scaled by each
+        token's caption weight."""
+        with torch.set_grad_enabled(self.train_text_encoder), self.policy.autocast(self.device):
+            return self.family.encode(self.model, captions, self.device, clip_skip=self.clip_skip,
+                                      max_token_length=self.max_token_length, weighted=self.weighted_captions)
+
+    def encode_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """SD 1.x/2.x text-encoder states of token ids [B, 77·n] (``tokenize``'s form)."""
+        with torch.set_grad_enabled(self.train_text_encoder), self.policy.autocast(self.device):
+            return encode_text(self.model.text_encoder, to_device(ids, self.device), clip_skip=self.clip_skip,
+                               max_token_length=self.max_token_length, v2=self.model.v2)
+
+    def text_states(self, batch: dict):
+        """The batch's conditioning: cached text encoder outputs (SDXL) when the batch has them. Token ids come
+        only from a ``--dataset_class`` that yields them; as in sd-scripts they win over captions, except with
+        ``--weighted_captions``, which needs the captions' text."""
+        if "text_outputs" in batch:
+            return self.family.from_cache(batch["text_outputs"], self.device)
+        if "input_ids" in batch and not self.weighted_captions:
+            return self.encode_ids(batch["input_ids"])
+        if "captions" not in batch:
+            raise UserError("--weighted_captions parses caption text, but the --dataset_class batches hold only "
+                            'token ids; add "captions" to the batches or drop --weighted_captions')
+        return self.conditioning(batch["captions"])
+
+    def __call__(self, batch: dict) -> torch.Tensor:
+        if "network_multipliers" in batch:  # a batch never mixes datasets, so one multiplier serves it
+            self.network.set_multiplier(float(batch["network_multipliers"][0]))
+        latents = self.latents(batch)
+        hidden = self.text_states(batch)
+        schedule = self.schedule
+        noise = sample_noise(latents, self.noise, self.generator, self.host_generator)
+        timesteps = sample_timesteps(latents.shape[0], self.noise, self.generator, self.device)
+        noisy = noisy_latents(schedule, latents, noise, timesteps, self.noise, self.generator)
+        with self.policy.autocast(self.device):
+            pred = self.family.predict(self.model, noisy.to(self.policy.frozen_dtype), timesteps, hidden, batch,
+                                       self.policy.frozen_dtype)
+        target = training_target(schedule, latents, noise, timesteps, self.model.v_parameterization)
+        weights = to_device(batch["loss_weights"], self.device)
+        mask = to_device(batch["loss_masks"], self.device) if "loss_masks" in batch else None
+        return training_loss(pred.float(), target.float(), timesteps, weights, self.loss, schedule.alphas_cumprod,
+                             schedule.all_snr, self.model.v_parameterization, mask)

@@ -1,0 +1,139 @@
+"""The training loop: for each batch compute the loss, backward, and on an update step update, log, sample, save.
+
+Everything it needs (precision, accumulation, rounding, saving cadence) is decided before the loop and
+handed in; the loop itself has no feature switches. It reads nothing from the device per micro-batch: the loss
+travels to the updater as a tensor, and the update's one host read (``library/train/update.py``) returns the numbers
+the
+progress bar and the trackers show. The arithmetic is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md
+§4.2): an update every ``gradient_accumulation_steps`` micro-batches and at the end of each epoch,
+``global_step`` counts updates, step saves happen at every multiple of ``--save_every_n_steps`` (the last step
+included), epoch saves after epochs other than the last, then the final save (``library/saving/lora_files.py``). With a
+validation split, ``validation`` (``library/train/validation.py``) runs after an update and at the end of an epoch when
+its cadence says so; its scalars are logged with the step's or the epoch's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from library.base.errors import TrainingDiverged
+from library.train.position import Position, SampleHooks, SaveHooks
+from library.train.schedule import StepPlan
+from library.train.tracking import LossAverage, Tracker, progress_fields
+from library.train.update import Updater
+from library.train.validation import Validation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopResult:
+    position: Position
+    last_loss: float
+    seconds: float
+    seconds_per_step: float
+    skipped_updates: int  # skipped as non-finite (loss or gradient NaN/Inf)
+
+
+def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Updater, plan: StepPlan,
+               saves: SaveHooks, samples: SampleHooks, tracker: Tracker, lr_values: Callable[[], dict[str, float]],
+               on_epoch_start: Callable[[int], None], start: Position,
+               validation: Validation | None = None, show_progress: bool = True) -> LoopResult:
+    """Train from ``start`` until ``plan.max_train_steps`` updates; returns where it ended.
+
+    The first epoch begins at ``start.batch`` (the batches before it are not loaded); a later epoch at its first
+    batch. ``show_progress``: the progress bar (only the main process of a multi-process run shows one)."""
+    pos = Position(start.epoch, start.step, start.batch)
+    loader = data.dataloader()
+    average = LossAverage(len(loader))
+    accum = plan.gradient_accumulation_steps
+    if samples.at_first:
+        samples.sample(pos, 0)
+    progress = tqdm(total=plan.max_train_steps, initial=pos.step, desc="steps", smoothing=0,
+                    disable=None if show_progress else True)
+    began, last_loss = time.perf_counter(), float("nan")
+    while pos.epoch < plan.num_epochs and pos.step < plan.max_train_steps:
+        data.set_epoch(pos.epoch + 1, first_batch=pos.batch)
+        on_epoch_start(pos.epoch)
+        for index, batch in enumerate(_iterate(loader), start=pos.batch):
+            data.set_current_step(pos.step, plan.max_train_steps)
+            updater.backward(batch_loss(batch))
+            pos.batch = index + 1
+            if pos.batch % accum != 0 and pos.batch != len(loader):
+                continue
+            try:
+                result = updater.update()
+            except TrainingDiverged as diverged:
+                if diverged.weights_intact:
+                    saves.final_save(pos)
+                raise
+            pos.step += 1
+            last_loss = result.loss
+            average.add(last_loss)
+            progress.update(1)
+            lrs = lr_values()
+            scalars = {"loss/current": last_loss, "loss/average": average.moving_average,
+                       "grad_norm": result.grad_norm, **lrs}
+            if validation is not None:
+                scalars.update(validation.at_step(pos, average.moving_average))
+            progress.set_postfix(progress_fields(pos.epoch + 1, plan.num_epochs, average.moving_average, lrs,
+                                                 validation.last_loss if validation is not None else None))
+            _log_max_norm(updater, tracker)
+            tracker.log(scalars, pos.step)
+            if samples.every_n_steps and pos.step % samples.every_n_steps == 0:
+                updater.check_weights()
+                samples.sample(pos, None)
+            if saves.every_n_steps and pos.step % saves.every_n_steps == 0:
+                updater.check_weights()
+                saves.step_save(pos)
+            if pos.step >= plan.max_train_steps:
+                break
+        epoch_scalars = validation.at_epoch_end(pos, average.moving_average) if validation is not None else {}
+        tracker.log({"loss/epoch_average": average.end_epoch(), **epoch_scalars}, pos.epoch + 1)
+        if pos.batch < len(loader):
+            if samples.every_n_epochs and (pos.epoch + 1) % samples.every_n_epochs == 0:
+                updater.check_weights()
+                samples.sample(pos, pos.epoch + 1)  # sd-scripts samples after an epoch cut short, too
+            break  # --max_train_steps reached inside the epoch: it stays the current one (a resume continues it)
+        pos.epoch, pos.batch = pos.epoch + 1, 0
+        if saves.every_n_epochs and pos.epoch % saves.every_n_epochs == 0 and pos.epoch < plan.num_epochs:
+            updater.check_weights()
+            saves.epoch_save(pos)
+        if samples.every_n_epochs and pos.epoch % samples.every_n_epochs == 0:
+            updater.check_weights()
+            samples.sample(pos, pos.epoch)
+    progress.close()
+    updater.check_weights()
+    _log_max_norm(updater, tracker)
+    saves.final_save(pos)
+    seconds = time.perf_counter() - began
+    done = max(1, pos.step - start.step)
+    return LoopResult(pos, last_loss, seconds, seconds / done, updater.skipped)
+
+
+def _log_max_norm(updater: Updater, tracker: Tracker) -> None:
+    """The ``--scale_weight_norms`` statistics read since the last call, each at the step of its update (they are
+    read one update late: see ``library/train/update.py``)."""
+    for step, (keys, mean, maximum) in updater.max_norm_log:
+        tracker.log({"max_norm/keys_scaled": keys, "max_norm/average_key_norm": mean,
+                     "max_norm/max_key_norm": maximum}, step)
+    updater.max_norm_log.clear()
+
+
+def _iterate(loader) -> Iterator[dict]:
+    """Iterate ``loader`` without touching torch's global generator.
+
+    Creating a DataLoader iterator draws a worker base seed from the global generator. Our batches do not use it
+    (every random choice of a batch is keyed by seed, epoch and position), but the network's dropouts draw from that
+    generator (``networks/lora_modules.py`` says why), so that draw, made at a resumed epoch's start, would shift
+    every mask after a resume mid-epoch.
+    """
+    with torch.random.fork_rng(devices=[]):
+        iterator = iter(loader)
+    yield from iterator

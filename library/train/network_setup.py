@@ -1,0 +1,246 @@
+"""The network stage: import ``--network_module`` (any module with sd-scripts' ``create_network`` protocol, e.g.
+``networks.lora`` or ``lycoris.kohya``), merge ``--base_weights`` into the frozen models, attach the network to the
+models, and hand its parameter groups to the optimizer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+
+import torch
+
+from library.base.errors import UserError
+from library.config import ModelConfig, NetworkConfig, OptimizerConfig
+from library.families.precision import PrecisionPolicy
+from library.families.registry import SDFamily, SDXLFamily
+from library.families.sd.parts import SDModel
+from library.train.finite import refuse_non_finite
+from networks import NETWORK_MODULE_ALIASES
+from networks.args import network_metadata
+from networks.lora import load_weights_file
+
+log = logging.getLogger(__name__)
+
+
+def import_network_module(name: str):
+    """The module named by ``--network_module`` (``lycoris.kohya`` through our adapter)."""
+    try:
+        return importlib.import_module(NETWORK_MODULE_ALIASES.get(name, name))
+    except ImportError as exc:
+        raise UserError(f"--network_module {name}: cannot import it ({exc}); use networks.lora, "
+                        "or install the package that provides it (lycoris.kohya: pip install lycoris-lora)") from exc
+
+
+def merge_base_weights(cfg: ModelConfig, network_module: str, model: SDModel, policy: PrecisionPolicy,
+                       family: SDFamily | SDXLFamily = SDFamily()) -> None:
+    """``--base_weights``: merge each file into the frozen UNet / text encoder, as sd-scripts' ``train_network.py``:
+    ``--network_module``'s ``create_network_from_weights(multiplier, file, ..., for_inference=True)`` then its
+    ``merge_to(text_encoder, unet, weights, dtype, device)``; the i-th file takes the i-th
+    ``--base_weights_multiplier``, 1.0 where there is none. Runs before the weights are stored in fp8.
+
+    A file that cannot be read, has no module of this network type, or names or shapes layers this model does
+    not have is a ``UserError`` naming the file; sd-scripts would skip such modules without a word.
+    """
+    if not cfg.base_weights:
+        return
+    module = import_network_module(network_module)
+    for i, file in enumerate(cfg.base_weights):
+        multiplier = cfg.base_weights_multiplier[i] if i < len(cfg.base_weights_multiplier) else 1.0
+        log.info("merging %s into the model with multiplier %s", file, multiplier)
+        weights = _read_base_weights(file)
+        text_encoder = family.network_text_encoder(model)
+        network, weights = module.create_network_from_weights(multiplier, file, model.vae, text_encoder,
+                                                              model.unet, weights_sd=weights, for_inference=True)
+        _check_fits(file, network, weights, network_module)
+        try:
+            network.merge_to(text_encoder, model.unet, weights, policy.frozen_dtype, None)
+        except (RuntimeError, ValueError) as exc:
+            raise UserError(f"--base_weights {file}: does not fit this model ({exc}); give a LoRA trained on "
+                            "this model type (SD 1.x or 2.x, matching --v2)") from exc
+    log.info("all base weights merged: %s", ", ".join(cfg.base_weights))
+
+
+def _read_base_weights(file: str) -> dict[str, torch.Tensor]:
+    from networks.lora import load_weights_file
+
+    try:
+        weights = load_weights_file(file)
+    except UserError as exc:  # its messages start with the file's path
+        raise UserError(*(f"--base_weights {message}" for message in exc.messages)) from None
+    refuse_non_finite(weights, f"--base_weights {file}", "merge another file, or train without it")
+    return weights
+
+
+def _check_fits(file: str, network: torch.nn.Module, weights: dict[str, torch.Tensor], network_module: str) -> None:
+    """Every module the file names must be a module of the network built on this model."""
+    if not hasattr(network, "merge_to"):
+        raise UserError(f"--base_weights {file}: the network module cannot merge weights (no merge_to); use "
+                        "--network_module networks.lora")
+    in_file = {key.split(".", 1)[0] for key in weights}
+    # networks.lora registers its modules; LyCORIS keeps them in the unet_loras / text_encoder_loras lists only
+    modules = [*network.modules(), *getattr(network, "unet_loras", []), *getattr(network, "text_encoder_loras", [])]
+    in_model = {m.lora_name for m in modules if isinstance(getattr(m, "lora_name", None), str)}
+    if not in_file & in_model:
+        raise UserError(f"--base_weights {file}: none of its {len(in_file)} modules is a layer of this model "
+                        f"(e.g. {min(in_file, default='no tensors')}); give a LoRA file (lora_unet_* / lora_te_* "
+                        "keys) trained on this model type (SD 1.x or 2.x, matching --v2)")
+    unknown = sorted(in_file - in_model)
+    if unknown:
+        raise UserError(f"--base_weights {file}: {len(unknown)} of its modules match no layer that "
+                        f"--network_module {network_module} targets in this model (e.g. {unknown[0]}); give a LoRA "
+                        "trained on this model type (SD 1.x or 2.x, matching --v2) with that network module")
+
+
+def check_network_weights(cfg: NetworkConfig) -> None:
+    """Refuse a ``--network_weights`` file holding NaN or Inf before any model loads (``UserError``, exit 2); call it
+    after ``weights_shapes``, which names a missing or unreadable file."""
+    if cfg.network_weights:
+        refuse_non_finite(load_weights_file(cfg.network_weights), f"--network_weights {cfg.network_weights}",
+                          "give the last good file of that run, or train without --network_weights")
+
+
+def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, device: torch.device,
+                  family: SDFamily | SDXLFamily = SDFamily()):
+    """Create the network with ``--network_module``'s ``create_network`` and attach it to the models (SDXL: both
+    text encoders, as a list, as sd-scripts passes them)."""
+    module = import_network_module(cfg.network_module)
+    kwargs = parse_network_args(cfg.network_args)
+    train_unet = not cfg.network_train_text_encoder_only
+    train_te = not cfg.network_train_unet_only
+    text_encoder = family.network_text_encoder(model)
+    if cfg.network_weights and cfg.dim_from_weights:
+        network, _ = module.create_network_from_weights(1.0, cfg.network_weights, model.vae, text_encoder,
+                                                        model.unet, **kwargs)
+    else:
+        if cfg.network_module == "networks.lora":  # LyCORIS reads the dim otherwise (LoKr: 10000 = full matrix)
+            check_rank(cfg.network_dim, model, family)
+        # sd-scripts' --network_alpha defaults to 1 and is always passed (lycoris.kohya needs a number)
+        alpha = cfg.network_alpha if cfg.network_alpha is not None else 1.0
+        network = module.create_network(1.0, cfg.network_dim, alpha, model.vae, text_encoder, model.unet,
+                                        neuron_dropout=cfg.network_dropout, **kwargs)
+    network.apply_to(text_encoder, model.unet, train_te, train_unet)
+    if cfg.network_weights:
+        check_weights_fit(cfg, weights_shapes(cfg.network_weights), network, train_te, train_unet)
+    if cfg.network_weights and not cfg.dim_from_weights:
+        info = network.load_weights(cfg.network_weights)
+        log.info("loaded network weights from %s: %s", cfg.network_weights, info)
+    network.to(device, policy.network_dtype)
+    network.prepare_grad_etc(text_encoder, model.unet)
+    network.train()
+    return network, train_te
+
+
+def check_rank(network_dim: int | None, model: SDModel, family: SDFamily | SDXLFamily = SDFamily()) -> None:
+    """``networks.lora``: a rank above every layer's min(in, out) adds parameters (and memory, without bound) but no
+    expressiveness; sd-scripts allocates it anyway and runs out of memory for a mistyped rank."""
+    if network_dim is None:
+        return
+    widths = [min(m.in_features, m.out_features) if isinstance(m, torch.nn.Linear)
+              else min(m.in_channels, m.out_channels)
+              for part in (model.unet, *family.text_encoders(model)) for m in part.modules()
+              if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    if widths and network_dim > max(widths):
+        raise UserError(f"--network_dim {network_dim} is above the width of every layer of this model (at most "
+                        f"{max(widths)}): a LoRA's rank cannot usefully exceed min(in, out) of its layer; SD LoRAs "
+                        "use 4 to 128")
+
+
+def weights_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """``--network_weights``: every tensor's name and shape, read before any model loads (the header only, for
+    .safetensors); a file that is missing, truncated or not a weights file is a UserError naming it."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--network_weights {path}: no such file; give a LoRA .safetensors (or .pt/.ckpt) file")
+    if file.suffix.lower() == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"--network_weights {path}: cannot be read as a .safetensors file ({exc}); it is "
+                            "truncated or not a safetensors file: copy it again, or give another LoRA") from None
+    try:
+        loaded = torch.load(str(file), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for a bad file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"--network_weights {path}: cannot be read as plain tensors ({first}); a pickle that needs "
+                        "more than that could run code, so it is not loaded: convert it to .safetensors") from None
+    if not isinstance(loaded, dict) or not any(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise UserError(f"--network_weights {path}: holds no tensors; give a LoRA .safetensors file")
+    return {k: tuple(v.shape) for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+
+
+def _examples(keys) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:3]) + (f" ... ({len(keys)} in all)" if len(keys) > 3 else "")
+
+
+def check_weights_fit(cfg: NetworkConfig, shapes: dict[str, tuple[int, ...]], network, train_te: bool,
+                      train_unet: bool) -> None:
+    """``--network_weights`` must fit the network it is loaded into. sd-scripts loads non-strictly, so a LoRA of
+    another model family trains from scratch with zero keys loaded, and another rank fails with a size-mismatch
+    traceback; here both are errors naming the mismatch, as are tensors the network has no module for (they would
+    be dropped from the result). Modules the file lacks start from their initial values (an info line)."""
+    own = {k: tuple(v.shape) for k, v in network.state_dict().items()}
+    path = cfg.network_weights
+    matched = own.keys() & shapes.keys()
+    if not matched:
+        raise UserError(f"--network_weights {path}: none of its {len(shapes)} tensors belongs to this network (the "
+                        f"file has {_examples(shapes)}; this network has {_examples(own) or 'no modules'}): it is a "
+                        f"LoRA for another model family (SDXL?) or network module than {cfg.network_module}, or no "
+                        "LoRA at all")
+    wrong = sorted(k for k in matched if own[k] != shapes[k])
+    if wrong:
+        first = wrong[0]
+        rank = (f"; the file has rank {shapes[first][0]}, this network {own[first][0]}: give --network_dim "
+                f"{shapes[first][0]} or --dim_from_weights" if first.endswith("lora_down.weight") else "")
+        raise UserError(f"--network_weights {path}: {len(wrong)} tensors have another shape than this network's "
+                        f"({first}: {list(shapes[first])} in the file, {list(own[first])} here){rank}")
+    extra = shapes.keys() - own.keys()
+    frozen = {k for k in extra if (k.startswith("lora_te") and not train_te)
+              or (k.startswith("lora_unet") and not train_unet)}
+    if frozen:
+        log.warning("--network_weights %s: %d tensors of the part not trained in this run (%s) are not loaded and "
+                    "not in the saved LoRA", path, len(frozen), _examples(frozen))
+    if extra - frozen:
+        raise UserError(f"--network_weights {path}: {len(extra - frozen)} tensors have no module in this network "
+                        f"({_examples(extra - frozen)}), so they would be dropped: the file was trained with other "
+                        "--network_args (conv_dim for conv layers?); give those, or --dim_from_weights to shape the "
+                        "network like the file")
+    missing = own.keys() - shapes.keys()
+    if missing:
+        log.info("--network_weights %s: %d tensors of this network are not in the file and start fresh (%s)", path,
+                 len(missing), _examples(missing))
+
+
+def parse_network_args(items: list[str]) -> dict[str, str]:
+    """``--network_args`` as sd-scripts parses it: split on the first "=", values stay strings."""
+    kwargs = {}
+    for item in items:
+        if "=" not in item:
+            raise UserError(f'--network_args "{item}": expected key=value, e.g. conv_dim=4')
+        key, value = item.split("=", 1)
+        kwargs[key.strip()] = value.strip()
+    return kwargs
+
+
+def param_groups(network, cfg: OptimizerConfig) -> tuple[list[dict], list[str]]:
+    """The network's optimizer parameter groups and their names. As sd-scripts' ``train_network.py``: a network
+    with ``prepare_optimizer_params_with_multiple_te_lrs`` gets every ``--text_encoder_lr`` value (one per text
+    encoder), any other network the first one."""
+    te_lrs = list(cfg.text_encoder_lr)
+    if hasattr(network, "prepare_optimizer_params_with_multiple_te_lrs"):
+        result = network.prepare_optimizer_params_with_multiple_te_lrs(te_lrs, cfg.unet_lr, cfg.learning_rate)
+    else:
+        result = network.prepare_optimizer_params(te_lrs[0] if te_lrs else None, cfg.unet_lr, cfg.learning_rate)
+    if isinstance(result, tuple):
+        return result
+    return result, [f"group{i}" for i in range(len(result))]
+
+
+def network_meta(cfg: NetworkConfig) -> dict[str, str]:
+    return network_metadata(cfg.network_module, cfg.network_dim, cfg.network_alpha if cfg.network_alpha is not None
+                            else 1, cfg.network_dropout, parse_network_args(cfg.network_args))

@@ -1,0 +1,278 @@
+"""One optimizer update: backward of each micro-batch, then restore → reduce → check → clip → step → schedule.
+
+The order per update is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md §4.2): gradients complete (here: the
+accumulation strategy restores ``.grad``), the mean over the processes (``library/runtime/processes.py``, which also
+sums their loss flags, so that every process decides alike), clip to ``--max_grad_norm``, optimizer step,
+scheduler step (once per process, as accelerate ticks it), ``zero_grad(set_to_none=True)``, then max-norm
+regularization. Where we do better: a non-finite loss or gradient norm skips the update before any weight is
+written (stochastic rounding could otherwise turn some NaNs into finite numbers, OPTIMIZERS.md §3), and
+``--max_nan_steps`` such updates in a row stop the run with the last good weights intact. Weights that become
+non-finite in an update whose loss and gradient were finite (an fp16 weight overflowing, a division by zero in the
+optimizer) stop the run at once: nothing is saved from them (``TrainingDiverged(weights_intact=False)``); the
+last file written before stays the last good one.
+Chosen over keeping a copy of the last good weights: the copy would cost one more LoRA in device memory (SD1.5
+rank 16, U-Net and text encoder: 9.4 M parameters, 36 MiB in fp32, 18 MiB in bf16; it grows with the rank) and a
+copy per update, yet without the optimizer state, which overflows with the weights, the run could not
+go on from it; the files saved before already hold good weights.
+
+No host sync per micro-batch: the loss, its finite flag and the gradient norm stay on the device, and each update
+reads them once (``library/train/readout.py``), right before the host decides whether the optimizer steps. The weights
+check and the ``--scale_weight_norms`` statistics of an update are read with the next update's values (or before a
+save, and at the end), so they cost no read of their own. With several processes the reduction adds, once per
+update, a status exchange of host integers and the all-reduce of one device buffer that also sums the processes'
+loss flags, so the update's one read still decides for every process alike.
+
+Under ``--fused_backward_pass`` (one micro-batch per update) each tensor is clipped (per tensor, as sd-scripts'
+fused Adafactor does) and stepped inside backward; a tensor whose gradient is non-finite (or all of them, when the
+loss is) gets its weights and optimizer state back on the device right after its step, so no value of that step
+survives, and the update counts as non-finite. Its host-side state (the step counter) is put back at the read.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from library.base.errors import TrainingDiverged
+from library.train.accumulation import Accumulation
+from library.train.finite import all_finite
+from library.train.readout import Readout
+
+
+@dataclass
+class DynamicLossScale:
+    """Loss scaling for fp16 training (``--mixed_precision fp16``), applied by hand so that it also works
+    with fp16 LoRA weights under ``--full_fp16`` (torch's GradScaler refuses fp16 gradients)."""
+
+    scale: float = 2.0**16
+    growth_interval: int = 2000
+    _good_steps: int = 0
+
+    def unscale_(self, params: list[torch.nn.Parameter]) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, self.scale)
+
+    def update(self, finite: bool) -> None:
+        if not finite:
+            self.scale = max(1.0, self.scale / 2)
+            self._good_steps = 0
+            return
+        self._good_steps += 1
+        if self._good_steps % self.growth_interval == 0:
+            self.scale *= 2
+
+
+@dataclass
+class UpdateResult:
+    applied: bool
+    loss: float  # the window's loss: the sum of its micro-batch losses / --gradient_accumulation_steps
+    grad_norm: float
+
+
+@dataclass
+class _FusedStep:
+    """What ``_step_one`` needs to undo a tensor's step at the read: its finite flag and its host-side state."""
+
+    param: torch.nn.Parameter
+    finite: torch.Tensor
+    host_state: dict[str, Any]
+    had_state: bool
+
+
+@dataclass
+class Updater:
+    """Runs backward per micro-batch and one guarded optimizer update per accumulation window."""
+
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    accumulation: Accumulation
+    accumulation_steps: int
+    max_grad_norm: float
+    max_nan_steps: int
+    loss_scale: DynamicLossScale | None = None
+    max_norm: tuple[object, float] | None = None  # (network, --scale_weight_norms)
+    fused: bool = False
+    reduce: Callable[[torch.Tensor | None], torch.Tensor | None] = lambda loss_finite: loss_finite  # GradientReducer
+    scheduler_ticks: int = 1  # LR schedule ticks per update: one per process (StepPlan.lr_ticks)
+    readout: Readout = field(default_factory=Readout)
+    skipped: int = 0  # updates skipped as non-finite, in this run
+    updates: int = 0  # the global step: updates finished, applied or skipped (a resumed run starts at its step)
+    max_norm_log: list[tuple[int, tuple[int, float, float]]] = field(default_factory=list)  # read, not logged yet
+    _loss_sum: torch.Tensor | None = None
+    _loss_finite: torch.Tensor | None = None
+    _weights_finite: tuple[torch.Tensor, int] | None = None  # (flag, update number) waiting to be read
+    _nan_streak: int = 0
+    _fused_steps: list[_FusedStep] = field(default_factory=list)
+    _fused_sq_norm: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.fused:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._step_one)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch; the loss is divided by the accumulation count (sd-scripts/accelerate).
+
+        A non-finite loss is not looked at here (that would be a host sync): its backward makes the gradients
+        non-finite, so the update is skipped all the same."""
+        value = loss.detach().float()
+        finite = torch.isfinite(value)
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        scaled = loss / self.accumulation_steps
+        if self.loss_scale is not None:
+            scaled = scaled * self.loss_scale.scale
+        scaled.backward()
+
+    def _step_one(self, param: torch.nn.Parameter) -> None:
+        """``--fused_backward_pass``: clip this tensor, step it, undo the step on the device when its gradient (or
+        the loss) is non-finite, and free its gradient, so that gradients of the whole network never coexist."""
+        grad = param.grad
+        if self.loss_scale is not None:
+            grad.div_(self.loss_scale.scale)
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        finite = torch.isfinite(norm)
+        if self._loss_finite is not None:
+            finite = finite & self._loss_finite
+        square = torch.where(finite, norm.square(), 0.0)
+        self._fused_sq_norm = square if self._fused_sq_norm is None else self._fused_sq_norm + square
+        if self.max_grad_norm > 0:
+            grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(grad.dtype))
+        state = self.optimizer.state[param]
+        had_state = bool(state)
+        host_state = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+        before = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        weights = param.detach().clone()
+        self.optimizer.step_parameter(param)
+        with torch.no_grad():
+            param.copy_(torch.where(finite, param, weights))
+            for key, value in self.optimizer.state[param].items():
+                if isinstance(value, torch.Tensor):
+                    kept = before.get(key, torch.zeros((), dtype=value.dtype, device=value.device))
+                    value.copy_(torch.where(finite, value, kept))
+        self._fused_steps.append(_FusedStep(param, finite, host_state, had_state))
+        param.grad = None
+
+    def update(self) -> UpdateResult:
+        """Finish the accumulation window: apply the update if everything is finite, else skip it."""
+        if self.fused:
+            return self._finish_fused()
+        self.accumulation.restore()
+        self._loss_finite = self.reduce(self._loss_finite)  # every process's gradients and loss flags
+        if self.loss_scale is not None:
+            self.loss_scale.unscale_(self.params)
+        limit = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
+        grads = [p for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(grads, limit) if grads else torch.zeros(())
+        loss_finite, finite, loss, norm_value, _ = self._read(torch.isfinite(norm), norm)
+        if self.loss_scale is not None:
+            self.loss_scale.update(finite)
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._count_non_finite(loss_finite)
+            return UpdateResult(applied=False, loss=loss, grad_norm=norm_value)
+        self._nan_streak = 0
+        self.optimizer.step()
+        for _ in range(self.scheduler_ticks):
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._max_norm()
+        self._weights_finite = (all_finite(self.params), self.updates)
+        return UpdateResult(applied=True, loss=loss, grad_norm=norm_value)
+
+    def _read(self, grad_finite: torch.Tensor, norm: torch.Tensor,
+              extra: torch.Tensor | None = None) -> tuple[bool, bool, float, float, list[float]]:
+        """The update's one host read: loss finite, loss and gradient finite, the window's loss, the gradient norm,
+        and the numbers of ``extra``. Raises ``TrainingDiverged`` first when the weights check waiting to be read
+        (of the previous update; under ``--fused_backward_pass`` of this one) failed."""
+        device = norm.device
+        true = torch.ones((), dtype=torch.bool, device=device)
+        loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=device)
+        loss_finite = self._loss_finite if self._loss_finite is not None else true
+        weights, weights_update = self._weights_finite or (true, self.updates)
+        values = [loss_finite, grad_finite & loss_finite, loss_sum, norm, weights]
+        numbers = self.readout.read(values + ([extra] if extra is not None else []))
+        self._loss_sum = self._loss_finite = self._weights_finite = None
+        if not numbers[4]:
+            raise self._weights_diverged(weights_update)
+        self.updates += 1
+        return bool(numbers[0]), bool(numbers[1]), numbers[2] / self.accumulation_steps, numbers[3], numbers[5:]
+
+    def check_weights(self) -> None:
+        """Before a save and at the end: read what the last update left (one host read); raise ``TrainingDiverged``
+        when its weights are non-finite."""
+        if self._weights_finite is not None:
+            (pending, update), self._weights_finite = self._weights_finite, None
+            if not self.readout.read([pending])[0]:
+                raise self._weights_diverged(update)
+
+    @staticmethod
+    def _weights_diverged(update: int) -> TrainingDiverged:
+        return TrainingDiverged(
+            f"the weights became NaN or Inf in update {update} although its loss and gradient were finite (an fp16 "
+            "weight overflowed, or the optimizer divided by zero); stopping without saving them. Lower the "
+            "learning rate, or use --mixed_precision bf16 instead of fp16", weights_intact=False)
+
+    def _finish_fused(self) -> UpdateResult:
+        """The parameters were stepped inside backward; the read, the undo, the schedule and statistics remain."""
+        steps, self._fused_steps = self._fused_steps, []
+        sq_norm, self._fused_sq_norm = self._fused_sq_norm, None
+        device = self.params[0].device
+        flags = torch.stack([s.finite for s in steps]) if steps else torch.ones(0, dtype=torch.bool, device=device)
+        self._weights_finite = (all_finite(self.params), self.updates + 1)
+        norm = (sq_norm if sq_norm is not None else torch.zeros((), device=device)).sqrt()
+        loss_finite, finite, loss, norm_value, tensor_finite = self._read(flags.all(), norm, flags)
+        self._undo_host_state(steps, tensor_finite)
+        if self.loss_scale is not None:
+            self.loss_scale.update(finite)
+        if not finite:
+            self._count_non_finite(loss_finite)
+            return UpdateResult(applied=False, loss=loss, grad_norm=norm_value)
+        self._nan_streak = 0
+        with warnings.catch_warnings():  # torch cannot see step_parameter calls and warns about the order
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            for _ in range(self.scheduler_ticks):
+                self.scheduler.step()
+        self._max_norm()
+        return UpdateResult(applied=True, loss=loss, grad_norm=norm_value)
+
+    def _undo_host_state(self, steps: list[_FusedStep], finite: list[float]) -> None:
+        """Put back the host-side optimizer state of the tensors whose step was undone on the device."""
+        for step, ok in zip(steps, finite, strict=True):
+            if ok:
+                continue
+            if step.had_state:
+                self.optimizer.state[step.param].update(step.host_state)
+            else:
+                self.optimizer.state.pop(step.param, None)
+
+    def _max_norm(self) -> None:
+        """``--scale_weight_norms`` after the step; its statistics (keys scaled, mean and max norm) are read with the
+        next read and land in ``max_norm_log`` as (update, statistics)."""
+        if self.max_norm is None:
+            return
+        network, value = self.max_norm
+        device = self.params[0].device
+        stats = network.apply_max_norm_regularization(value, device)
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device) for v in stats])
+        self.readout.defer(values, lambda numbers, update=self.updates: self.max_norm_log.append(
+            (update, (int(numbers[0]), numbers[1], numbers[2]))))
+
+    def _count_non_finite(self, loss_finite: bool) -> None:
+        # With loss scaling an overflowing gradient is expected now and then: the scale shrinks instead.
+        self.skipped += 1
+        scaling_overflow = self.loss_scale is not None and loss_finite
+        self._nan_streak = 0 if scaling_overflow else self._nan_streak + 1
+        if self._nan_streak >= self.max_nan_steps:
+            raise TrainingDiverged(
+                f"{self._nan_streak} updates in a row had a non-finite loss or gradient; stopping with the "
+                "last good weights. Lower the learning rate, use --mixed_precision bf16 instead of fp16, "
+                "or --no_half_vae")

@@ -1,0 +1,135 @@
+"""The validation loss on the images a ``validation_split`` holds out, as sd-scripts 48d368fa computes it.
+
+sd-scripts (``train_network.py``, the step and epoch VALIDATION blocks; ``docs/validation.md``): the LoRA, unchanged,
+is evaluated without gradients on the first ``--max_validation_steps`` batches of the validation set (all by
+default), each at four fixed timesteps ``np.linspace(min, max, 4 + 2, dtype=int)[1:-1]`` (200, 400, 600, 800 with
+the default range 0..1000), with the training loss of a batch (noise offset, min-SNR, masks ... all apply). Its
+``switch_rng_state`` seeds the noise from ``--validation_seed`` (else ``--seed``) at the start of every validation,
+so every validation draws the same noise; the loss is the mean over the (batch, timestep) pairs. It runs after an
+update when ``--validate_every_n_steps`` divides the step, and at the end of every epoch (of every
+``--validate_every_n_epochs``-th), also after the last update.
+
+Here the noise comes from a generator of its own, made afresh from the seed at each validation, and the batches are
+read without a DataLoader, so the training generators are never touched: a run that validates trains exactly as one
+that does not. The network, text encoder and UNet are put in eval mode (no dropout) and each submodule gets back
+the mode it had. The batches of every validation are the same (epoch 1's order and augmentations, keyed by the
+validation seed). Difference, on purpose: sd-scripts' ``loss/validation/step_average`` keeps averaging over every
+validation of the first epoch (its ``LossRecorder`` appends during epoch 0 and overwrites by index afterwards);
+here each logged value is the mean of that validation alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from library.config import ValidationConfig
+from library.data import TrainData
+from library.train.batch_loss import BatchLoss
+from library.train.position import Position
+from library.train.tracking import validation_scalars
+
+log = logging.getLogger(__name__)
+
+NUM_VALIDATION_TIMESTEPS = 4
+
+
+def validation_timesteps(min_timestep: int | None, max_timestep: int | None,
+                         num_train_timesteps: int = 1000) -> list[int]:
+    """sd-scripts' fixed validation timesteps: the inner points of ``linspace(min, max, 6)``, truncated to int."""
+    low = 0 if min_timestep is None else min_timestep
+    high = num_train_timesteps if max_timestep is None else max_timestep
+    return [int(t) for t in np.linspace(low, high, NUM_VALIDATION_TIMESTEPS + 2, dtype=int)[1:-1]]
+
+
+@contextmanager
+def evaluating(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Eval mode and no gradients inside; afterwards every submodule has its own training flag back."""
+    roots = list(modules)
+    modes = [(m, m.training) for root in roots for m in root.modules()]
+    for root in roots:
+        root.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def validation_loss(batch_loss: BatchLoss, batches: Iterable[dict], timesteps: list[int], seed: int) -> torch.Tensor:
+    """Mean loss over every (batch, timestep) pair, the noise drawn from a generator seeded with ``seed`` in
+    sd-scripts' order (per batch, the timesteps in turn; each its own latent sample and noise).
+    The text encoder runs without gradients even when its LoRA is trained."""
+    generator = torch.Generator(batch_loss.generator.device).manual_seed(seed)
+    # next to a CUDA generator, pyramid-noise sizes come from a CPU one: a fresh one here too, not the training one
+    host = torch.Generator().manual_seed(seed) if batch_loss.host_generator is not None else None
+    losses = []
+    for batch in batches:
+        for t in timesteps:
+            fixed = replace(batch_loss, noise=replace(batch_loss.noise, min_timestep=t, max_timestep=t),
+                            generator=generator, host_generator=host, train_text_encoder=False)
+            losses.append(fixed(batch).detach())
+    return torch.stack(losses).mean()
+
+
+@dataclass
+class Validation:
+    """When and on what the validation loss is computed; ``last_loss`` is the latest value (None before)."""
+
+    data: TrainData  # the held-out images
+    batch_loss: BatchLoss
+    modules: tuple[torch.nn.Module, ...]
+    cfg: ValidationConfig
+    timesteps: list[int]
+    max_train_steps: int
+    last_loss: float | None = None
+
+    def run(self) -> float:
+        count = self.cfg.max_validation_steps or len(self.data)
+        with evaluating(self.modules):
+            loss = validation_loss(self.batch_loss, self.data.fixed_batches(count, self.max_train_steps),
+                                   self.timesteps, self.data.seed)
+        self.last_loss = float(loss)  # one host sync per validation
+        return self.last_loss
+
+    def at_step(self, pos: Position, train_average: float) -> dict[str, float]:
+        """After update ``pos.step``: the step scalars, or {} when this step does not validate."""
+        every = self.cfg.validate_every_n_steps
+        if every is None or pos.step % every:
+            return {}
+        loss = self.run()
+        log.info("validation loss at step %d: %.4f", pos.step, loss)
+        return validation_scalars("step", loss, train_average)
+
+    def at_epoch_end(self, pos: Position, train_average: float) -> dict[str, float]:
+        """At the end of the 0-based epoch ``pos.epoch``: the epoch scalars, or {} when it does not validate."""
+        every = self.cfg.validate_every_n_epochs
+        if every is not None and (pos.epoch + 1) % every:
+            return {}
+        loss = self.run()
+        log.info("validation loss after epoch %d: %.4f", pos.epoch + 1, loss)
+        return validation_scalars("epoch", loss, train_average)
+
+
+def build_validation(data: TrainData | None, cfg: ValidationConfig, batch_loss: BatchLoss,
+                     modules: tuple[torch.nn.Module, ...], max_train_steps: int) -> Validation | None:
+    """The validation of a run whose held-out images are ``data`` (None without a split: then the validation
+    flags have nothing to do, which is said rather than ignored)."""
+    if data is None:
+        given = [f"--{name}" for name, value in vars(cfg).items() if value is not None]
+        if given:
+            log.warning("%s: there are no validation images, so nothing is validated; hold some out with "
+                        "--validation_split (or validation_split in the dataset config)", ", ".join(given))
+        return None
+    noise = batch_loss.noise
+    steps = validation_timesteps(noise.min_timestep, noise.max_timestep,
+                                 batch_loss.model.noise_scheduler.config.num_train_timesteps)
+    count = min(cfg.max_validation_steps or len(data), len(data))
+    log.info("validation: %d batch(es) x timesteps %s, seed %d", count, steps, data.seed)
+    return Validation(data, batch_loss, modules, cfg, steps, max_train_steps)
