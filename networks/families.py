@@ -11,7 +11,7 @@
 
 The family is told by the U-Net: a diffusers UNet with SDXL's size conditioning (``addition_embed_type ==
 "text_time"``) is SDXL. Our SDXL U-Net is diffusers', so its module paths are mapped onto the original names with
-the same table the single-file loader uses (``library.families.sd.single_file.unet_key_map``).
+the same table the single-file loader uses (``networks.unet_names.unet_key_map``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from networks.lora_modules import block_index as sd_block_index
+from networks.unet_names import unet_key_map
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,6 @@ def unet_module_names(unet: nn.Module, family: LoRAFamily) -> Callable[[str], st
     """A function from a diffusers module path to the path its LoRA name is built from (original layout for SDXL)."""
     if not family.is_sdxl:
         return lambda path: path
-    from library.families.sd.single_file import unet_key_map
-
     weights = [k for k in unet.state_dict() if k.endswith(".weight")]
     mapping = {k.removesuffix(".weight"): v.removesuffix(".weight")
                for k, v in unet_key_map(weights, unet.config.layers_per_block).items()}

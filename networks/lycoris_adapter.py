@@ -13,7 +13,7 @@ and keep ``ss_network_module = "lycoris.kohya"`` in the metadata. It calls ``lyc
   and the names ``time_embedding.linear_1/2``, which on a diffusers U-Net creates each of those modules twice and
   fails on LyCORIS's duplicate-name assertion; the class is dropped from the preset while the network is built
   (the two layers stay targeted by name).
-* **Saving** goes through ``networks.lora.save_weights_file``: atomic, with sd-scripts' ``sshs_model_hash`` and
+* **Saving** goes through ``networks.lora_format.save_weights_file``: atomic, with sd-scripts' ``sshs_model_hash`` and
   ``sshs_legacy_hash`` (LyCORIS writes a different model hash and no legacy hash).
 * **SDXL U-Net names.** sd-scripts' SDXL U-Net is its own class in the original (SGM) layout, so LyCORIS there names
   and selects layers by that tree (``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``; presets' class
@@ -54,7 +54,7 @@ from torch import nn
 from library.base.errors import UserError
 from networks.args import parse_probability
 from networks.families import is_sdxl_unet
-from networks.lora import cast_for_saving, save_weights_file
+from networks.lora_format import cast_for_saving, save_weights_file
 from networks.sdxl_layout import original_layout_view
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ original (SGM) one: ``input_blocks.4.1.transformer_blocks.0.attn1.to_q``, ``midd
 
 ``original_layout_view(unet)`` returns a module tree with those paths and container class names whose leaves are the
 diffusers U-Net's own layers (the same objects, so whatever a network does to a leaf happens to the U-Net): the leaf
-paths come from the single-file key map (``library.families.sd.single_file.unet_key_map``), the container classes from
+paths come from the single-file key map (``networks.unet_names.unet_key_map``), the container classes from
 sd-scripts' classes at the same places (``SdxlUNet2DConditionModel`` at the root; ``ResnetBlock2D``,
 ``Transformer2DModel``, ``Downsample2D``, ``Upsample2D`` as a block's parts, told by their children ``in_layers``,
 ``transformer_blocks``, ``op``, ``conv``; ``BasicTransformerBlock``, ``CrossAttention``, ``FeedForward``, ``GEGLU``

@@ -15,7 +15,7 @@ A state is a folder (``library/saving/state_file.py``: safetensors and JSON, no 
 atomically (``library/base/files.py``), so an interruption leaves the previous save intact.
 
 No file the trainer writes holds a NaN or an infinity: before anything of a save is written, the LoRA tensors (cast
-to ``--save_precision`` as ``networks.lora.cast_for_saving`` writes them: a weight can overflow fp16) and every
+to ``--save_precision`` as ``networks.lora_format.cast_for_saving`` writes them: a weight can overflow fp16) and every
 floating tensor of the state are checked with one
 multi-tensor reduction (``library/train/finite.py``); a non-finite one stops the run with ``TrainingDiverged`` (exit 3)
 and leaves every earlier file as it was. ``Saver.last_lora`` names the newest LoRA file written, for that message.
@@ -45,7 +45,7 @@ from library.saving.metadata import Metadata
 from library.saving.state_file import write_state
 from library.train.finite import describe, floating_tensors, non_finite_names
 from library.train.position import Position, SaveHooks
-from networks.lora import cast_for_saving
+from networks.lora_format import cast_for_saving
 
 SAVE_FORMATS = ("safetensors", "ckpt", "pt")
 

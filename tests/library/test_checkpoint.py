@@ -67,7 +67,7 @@ def test_a_save_that_would_hold_inf_is_refused_before_writing(tmp_path):
 
 def test_a_scalar_alpha_that_fp16_cannot_hold_stays_in_its_dtype(tmp_path):
     """The kohya_ss GUI's LoKr presets: network_dim 100000 makes LyCORIS store alpha 100000 (Inf in fp16)."""
-    from networks.lora import cast_for_saving
+    from networks.lora_format import cast_for_saving
 
     network = _Network(1.0)
     network.register_buffer("alpha", torch.tensor(1e5))

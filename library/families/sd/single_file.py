@@ -3,9 +3,10 @@
 Layout, as in the released SD 1.x / 2.x files and sd-scripts' ``library/model_util.py``:
 ``model.diffusion_model.*`` (UNet), ``first_stage_model.*`` (VAE), and for the text encoder either
 ``cond_stage_model.transformer.text_model.*`` (SD1, Hugging Face CLIP-L names) or ``cond_stage_model.model.*``
-(SD2, OpenCLIP-H names with packed q/k/v ``in_proj``). The key maps below are derived from each diffusers model's
-own parameter names, so one function serves both directions. Files we write carry a metadata entry naming the
-bundled config in ``library/assets/configs`` they were built from; other files are recognised by tensor shapes.
+(SD2, OpenCLIP-H names with packed q/k/v ``in_proj``). The key maps (the U-Net's in ``networks.unet_names``, which
+SDXL LoRA names share; the VAE's and the text encoders' below) are derived from each diffusers model's own parameter
+names, so one function serves both directions. Files we write carry a metadata entry naming the bundled config in
+``library/assets/configs`` they were built from; other files are recognised by tensor shapes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from library.base.errors import UserError
 from library.families.sd.parts import SDModel, assemble, build_from_config, check_v2_flag, config_dir
+from networks.unet_names import map_key, rename_resnet, unet_key_map
 
 if TYPE_CHECKING:
     import torch
@@ -32,63 +34,7 @@ KNOWN_CONFIGS = ("sd15", "sd2-512", "sd2-768-v", "tiny-sd15")
 
 StateDict = dict[str, "torch.Tensor"]
 
-_RESNET_UNET = {
-    "norm1": "in_layers.0",
-    "conv1": "in_layers.2",
-    "time_emb_proj": "emb_layers.1",
-    "norm2": "out_layers.0",
-    "conv2": "out_layers.3",
-    "conv_shortcut": "skip_connection",
-}
 _VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
-
-
-def _rename_resnet(rest: str, table: dict[str, str]) -> str:
-    head, _, tail = rest.partition(".")
-    return f"{table.get(head, head)}.{tail}"
-
-
-def unet_key_map(keys: list[str], layers_per_block: int = 2) -> dict[str, str]:
-    """diffusers UNet2DConditionModel key -> LDM ``openaimodel.UNetModel`` key (without ``model.diffusion_model.``).
-
-    LDM numbers ``input_blocks`` consecutively: 0 is conv_in, then per down block ``layers_per_block`` (resnet,
-    attention) pairs and one downsampler; ``output_blocks`` hold ``layers_per_block + 1`` (resnet, attention,
-    upsampler) triples per up block; ``middle_block`` is resnet, attention, resnet. SDXL's size-conditioning MLP
-    (``add_embedding``) is ``label_emb.0``.
-    """
-    n = layers_per_block
-    up_with_attention = {int(k.split(".")[1]) for k in keys if re.match(r"up_blocks\.\d+\.attentions\.", k)}
-    fixed = {
-        "time_embedding.linear_1.": "time_embed.0.",
-        "time_embedding.linear_2.": "time_embed.2.",
-        "conv_in.": "input_blocks.0.0.",
-        "conv_norm_out.": "out.0.",
-        "conv_out.": "out.2.",
-        "add_embedding.linear_1.": "label_emb.0.0.",
-        "add_embedding.linear_2.": "label_emb.0.2.",
-    }
-    patterns: list[tuple[str, Callable[[re.Match[str]], str]]] = [
-        (r"down_blocks\.(\d+)\.resnets\.(\d+)\.(.*)",
-         lambda m: f"input_blocks.{int(m[1]) * (n + 1) + int(m[2]) + 1}.0.{_rename_resnet(m[3], _RESNET_UNET)}"),
-        (r"down_blocks\.(\d+)\.attentions\.(\d+)\.(.*)",
-         lambda m: f"input_blocks.{int(m[1]) * (n + 1) + int(m[2]) + 1}.1.{m[3]}"),
-        (r"down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.*)",
-         lambda m: f"input_blocks.{(int(m[1]) + 1) * (n + 1)}.0.op.{m[2]}"),
-        (r"mid_block\.resnets\.(\d+)\.(.*)",
-         lambda m: f"middle_block.{2 * int(m[1])}.{_rename_resnet(m[2], _RESNET_UNET)}"),
-        (r"mid_block\.attentions\.0\.(.*)", lambda m: f"middle_block.1.{m[1]}"),
-        (r"up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)",
-         lambda m: f"output_blocks.{int(m[1]) * (n + 1) + int(m[2])}.0.{_rename_resnet(m[3], _RESNET_UNET)}"),
-        (r"up_blocks\.(\d+)\.attentions\.(\d+)\.(.*)",
-         lambda m: f"output_blocks.{int(m[1]) * (n + 1) + int(m[2])}.1.{m[3]}"),
-        (r"up_blocks\.(\d+)\.upsamplers\.0\.conv\.(.*)",
-         lambda m: f"output_blocks.{int(m[1]) * (n + 1) + n}.{2 if int(m[1]) in up_with_attention else 1}"
-                   f".conv.{m[2]}"),
-    ]
-    mapping = {}
-    for key in keys:
-        mapping[key] = _map_one(key, fixed, patterns, "UNet")
-    return mapping
 
 
 def vae_key_map(keys: list[str], num_blocks: int = 4) -> dict[str, str]:
@@ -103,32 +49,19 @@ def vae_key_map(keys: list[str], num_blocks: int = 4) -> dict[str, str]:
         fixed[same] = same
     patterns: list[tuple[str, Callable[[re.Match[str]], str]]] = [
         (r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(.*)",
-         lambda m: f"encoder.down.{m[1]}.block.{m[2]}.{_rename_resnet(m[3], vae_resnet)}"),
+         lambda m: f"encoder.down.{m[1]}.block.{m[2]}.{rename_resnet(m[3], vae_resnet)}"),
         (r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.*)",
          lambda m: f"encoder.down.{m[1]}.downsample.conv.{m[2]}"),
         (r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)",
-         lambda m: f"decoder.up.{num_blocks - 1 - int(m[1])}.block.{m[2]}.{_rename_resnet(m[3], vae_resnet)}"),
+         lambda m: f"decoder.up.{num_blocks - 1 - int(m[1])}.block.{m[2]}.{rename_resnet(m[3], vae_resnet)}"),
         (r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.conv\.(.*)",
          lambda m: f"decoder.up.{num_blocks - 1 - int(m[1])}.upsample.conv.{m[2]}"),
         (r"(encoder|decoder)\.mid_block\.resnets\.(\d+)\.(.*)",
-         lambda m: f"{m[1]}.mid.block_{int(m[2]) + 1}.{_rename_resnet(m[3], vae_resnet)}"),
+         lambda m: f"{m[1]}.mid.block_{int(m[2]) + 1}.{rename_resnet(m[3], vae_resnet)}"),
         (r"(encoder|decoder)\.mid_block\.attentions\.0\.(.*)\.(weight|bias)",
          lambda m: f"{m[1]}.mid.attn_1.{_VAE_ATTENTION[m[2]]}.{m[3]}"),
     ]
-    return {key: _map_one(key, fixed, patterns, "VAE") for key in keys}
-
-
-def _map_one(
-    key: str, fixed: dict[str, str], patterns: list[tuple[str, Callable[[re.Match[str]], str]]], what: str
-) -> str:
-    for prefix, target in fixed.items():
-        if key.startswith(prefix):
-            return target + key[len(prefix):]
-    for pattern, build in patterns:
-        match = re.fullmatch(pattern, key)
-        if match:
-            return build(match)
-    raise KeyError(f"no single-file name for {what} parameter {key}")
+    return {key: map_key(key, fixed, patterns, "VAE") for key in keys}
 
 
 def clip_l_key_map(keys: list[str]) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Single-file SDXL checkpoints in the original (SGM / Stability AI) key layout: read and write.
 
 Layout, as the released ``sd_xl_base_1.0.safetensors`` and sd-scripts' ``library/sdxl_model_util.py``:
-``model.diffusion_model.*`` (UNet, the LDM names of ``single_file.unet_key_map`` plus ``label_emb.0`` for the
+``model.diffusion_model.*`` (UNet, the LDM names of ``networks.unet_names.unet_key_map`` plus ``label_emb.0`` for the
 size-conditioning MLP), ``first_stage_model.*`` (VAE, as SD 1.x), ``conditioner.embedders.0.transformer.text_model.*``
 (CLIP ViT-L, Hugging Face names) and ``conditioner.embedders.1.model.*`` (OpenCLIP ViT-bigG: packed q/k/v
 ``in_proj``, all 32 layers, ``text_projection`` and ``logit_scale``).
@@ -29,10 +29,10 @@ from library.families.sd.single_file import (
     openclip_to_diffusers,
     read_state_dict,
     unet_and_vae_to_original,
-    unet_key_map,
     vae_from_ldm,
 )
 from library.families.sdxl.parts import SDXLModel, assemble_sdxl, build_sdxl_from_config
+from networks.unet_names import unet_key_map
 
 if TYPE_CHECKING:
     import torch
