@@ -1,4 +1,8 @@
-"""The processes of a run: the only module that knows there may be more than one.
+"""The processes of a run: their process group, the sync points every collective goes through, and the decisions
+taken from exchanged values. With the modules it draws on (``library/runtime/process_info.py``: a process's place,
+its share of the batches and its exit; ``library/runtime/save_gate.py``: the gating of saves;
+``library/train/gradient_reduce.py``: the mean of the gradients), the only code that knows there may be more than
+one.
 
 ``accelerate launch --multi_gpu --num_processes N train_network.py ...`` and ``torchrun --nproc_per_node N
 train_network.py ...`` (with their multi-machine flags) start N copies of the trainer with ``RANK``,
@@ -8,12 +12,12 @@ started and every method below is a no-op: a single process is the N = 1 case of
 
 What sd-scripts' ``train_network.py`` does under accelerate, and what is reproduced here:
 * each process trains on its own device (``cuda:LOCAL_RANK``, or the CPU) with a disjoint share of each epoch's
-  batches, as accelerate's ``BatchSamplerShard`` deals them (``shard_position``: batch ``rank + k·N``, the last
-  round filled from the epoch's first batches, so every process gets ``ceil(batches / N)``);
+  batches, as accelerate's ``BatchSamplerShard`` deals them (``shard_position``, ``process_info.py``: batch
+  ``rank + k·N``, the last round filled from the epoch's first batches, so every process gets ``ceil(batches / N)``);
 * the network's gradients are averaged by hand once per update, after the accumulation window (sd-scripts'
-  ``all_reduce_network``); here in fp32 in one flat buffer (``GradientReducer``), rounded back into bf16 ``.grad``
-  with stochastic rounding under ``--full_bf16``, whose bits are the same on every process;
-* only the main process (rank 0) writes files and logs; every save is preceded by a barrier.
+  ``all_reduce_network``); here in fp32 in one flat buffer (``GradientReducer``, ``gradient_reduce.py``), rounded
+  back into bf16 ``.grad`` with stochastic rounding under ``--full_bf16``, whose bits are the same on every process;
+* only the main process (rank 0) writes files and logs; every save is preceded by a barrier (``save_gate.py``).
 
 Differences, on purpose: the seed is drawn on rank 0 and sent to all (sd-scripts draws one per process when
 ``--seed`` is absent); the noise, timestep and dropout generators of process r are seeded with seed + r when
@@ -32,10 +36,8 @@ exchange: they are computed from the weights, which are bit-identical on every p
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import random
 import signal
 import threading
@@ -51,95 +53,13 @@ from torch.utils.data import Sampler
 
 from library.base.errors import Stopped, TrainingDiverged, UserError
 from library.config.distributed import DistributedConfig
-from library.saving.state_file import decode, encode
-from library.train.position import Position, SaveHooks
-from optimizers.rounding import seeded_generator, step_seed, stochastic_round
+from library.runtime.process_info import CRASHED, INTERRUPTED, ProcessInfo, ShardedSampler, exit_code, report_lines
+from library.runtime.process_info import shard_length as shard_length
+from library.runtime.process_info import shard_position as shard_position
+from library.runtime.save_gate import SaveGate
+from library.train.gradient_reduce import GradientReducer
 
 log = logging.getLogger(__name__)
-
-INTERRUPTED = 130
-CRASHED = 1
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@dataclass(frozen=True)
-class ProcessInfo:
-    """Where this process stands among the run's processes (torchrun's environment variables)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    node_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> ProcessInfo:
-        """Read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` (the machine),
-        as torchrun and ``accelerate launch`` set them; absent ones are those of a single process."""
-        env = os.environ if env is None else env
-
-        def number(name: str, default: int) -> int:
-            text = env.get(name, "")
-            try:
-                return int(text) if text.strip() else default
-            except ValueError:
-                raise UserError(f"environment variable {name}={text!r} is not a whole number; it is set by "
-                                "torchrun / accelerate launch: start the trainer through them") from None
-
-        world = number("WORLD_SIZE", 1)
-        info = cls(rank=number("RANK", 0), world_size=world, local_rank=number("LOCAL_RANK", 0),
-                   local_world_size=number("LOCAL_WORLD_SIZE", world), node_rank=number("GROUP_RANK", 0))
-        if world < 1 or not 0 <= info.rank < world:
-            raise UserError(f"environment: RANK={info.rank} with WORLD_SIZE={world} is not a valid process; start "
-                            "the trainer with torchrun or accelerate launch")
-        return info
-
-
-def shard_length(batches: int, world_size: int) -> int:
-    """Batches each process gets per epoch: ``ceil(batches / N)`` (accelerate's ``BatchSamplerShard`` with
-    ``even_batches``)."""
-    return -(-batches // world_size)
-
-
-def shard_position(local: int, batches: int, rank: int, world_size: int) -> int:
-    """The epoch position of the ``local``-th batch of process ``rank``: batches are dealt round-robin (process r
-    gets positions r, r + N, r + 2N, ...) and the last, incomplete round is filled with the epoch's first batches
-    again, as accelerate's ``BatchSamplerShard._iter_with_no_split`` does."""
-    return (rank + local * world_size) % batches
-
-
-class ShardedSampler(Sampler):
-    """This process's share of an epoch sampler's batches (``shard_position``); resumes at the process's own batch
-    index, ``sampler.start``."""
-
-    def __init__(self, sampler, rank: int, world_size: int) -> None:
-        self.sampler = sampler
-        self.rank = rank
-        self.world_size = world_size
-
-    def __len__(self) -> int:
-        return shard_length(len(self.sampler), self.world_size)
-
-    def __iter__(self) -> Iterator:
-        total = len(self.sampler)
-        return self.sampler.keys(shard_position(local, total, self.rank, self.world_size)
-                                 for local in range(self.sampler.start, len(self)))
-
-
-def exit_code(exc: BaseException) -> int:
-    """The exit code a failure ends the process with (train_network.py's codes)."""
-    if isinstance(exc, KeyboardInterrupt):
-        return INTERRUPTED
-    code = getattr(exc, "exit_code", CRASHED)
-    return code if isinstance(code, int) and code > 0 else CRASHED
 
 
 def _messages(exc: BaseException) -> list[str]:
@@ -148,18 +68,6 @@ def _messages(exc: BaseException) -> list[str]:
     if isinstance(exc, (KeyboardInterrupt, TrainingDiverged)):
         return [str(exc)] if str(exc) else []
     return [f"{type(exc).__name__}: {exc}"]
-
-
-def report_lines(code: int, rank: int, messages: Sequence[str]) -> list[str]:
-    """What the main process prints when process ``rank`` stopped the run with ``code`` (once for all processes)."""
-    where = "" if rank == 0 else f"process {rank}: "
-    if code == INTERRUPTED:
-        by = "" if rank == 0 else f" (process {rank})"
-        return [f"interrupted{by}: the last saved checkpoint is intact"]
-    if code == CRASHED:
-        return [f"error: {where}{message}" for message in messages] + (
-            [f"error: process {rank} failed; its traceback is in its own output"] if rank else [])
-    return [f"error: {where}{message}" for message in messages]
 
 
 class _Signals:
@@ -218,23 +126,8 @@ class Exchange:
     summed: list[int]
 
 
-def _pack(obj: Any) -> bytes:
-    """Bytes of a tree of tensors and plain values, without pickle (``library/saving/state_file.py``'s encoding)."""
-    from safetensors.torch import save
-
-    tree, tensors = encode(obj)
-    return save({**tensors, "tree": torch.frombuffer(bytearray(json.dumps(tree).encode()), dtype=torch.uint8)})
-
-
-def _unpack(data: bytes) -> Any:
-    from safetensors.torch import load
-
-    tensors = load(data)
-    return decode(json.loads(bytes(tensors.pop("tree").tolist()).decode()), tensors)
-
-
 @dataclass
-class Processes:
+class Processes(SaveGate):
     """The run's processes as seen from one of them; a context manager around the run (see the module docstring).
 
     A failure inside the ``with`` block of one process is reported to the others at their next sync point; every
@@ -418,39 +311,10 @@ class Processes:
                     t.copy_(flat[start:start + t.numel()].view_as(t))
                     start += t.numel()
 
-    def gate_saves(self, hooks: SaveHooks, params: Sequence[torch.Tensor], local_rng: Callable[[], Any]) -> SaveHooks:
-        """The save callbacks as every process calls them: a sync point (the barrier before a save) that checks
-        that the weights are the same everywhere and collects every process's random state (for ``--save_state``),
-        then the save itself on the main process only. A single process gets ``hooks`` unchanged."""
-        if not self.distributed:
-            return hooks
-
-        def gated(save: Callable[[Position], None]) -> Callable[[Position], None]:
-            def call(pos: Position) -> None:
-                self._before_save(params, local_rng())
-                if self.is_main:
-                    save(pos)
-            return call
-
-        return SaveHooks(hooks.every_n_steps, hooks.every_n_epochs, gated(hooks.step_save), gated(hooks.epoch_save),
-                         gated(hooks.final_save))
-
-    def _before_save(self, params: Sequence[torch.Tensor], rng: Any) -> None:
-        blob = _pack(rng)
-        with self._sync_point(own=[fingerprint(params), len(blob)]) as outcome:
-            prints = {own[0] for own in outcome.own}
-            if len(prints) > 1:
-                if self.is_main:
-                    log.warning("the processes' LoRA weights differ (an optimizer drawing rounding bits from "
-                                "torch's global generator?); the main process's weights are sent to all")
-                self._broadcast(params)
-            gathered = self._all_gather_bytes(blob, max(own[1] for own in outcome.own))
-        if self.is_main:
-            self.rank_rngs = [_unpack(data[:own[1]]) for data, own in zip(gathered, outcome.own, strict=True)][1:]
-
     def gradient_reducer(self, params: Sequence[torch.nn.Parameter], seed: int, *,
                          gradient_as_bucket_view: bool = False) -> GradientReducer:
-        return GradientReducer(self, list(params), seed, gradient_as_bucket_view)
+        return GradientReducer(self.all_reduce_sum, self.world_size, self.device, list(params), seed,
+                               gradient_as_bucket_view)
 
     def all_reduce_sum(self, flat: torch.Tensor, summed: Sequence[int]) -> list[int]:
         """Sum ``flat`` (on the training device) and the host integers ``summed`` over all processes; one sync
@@ -458,111 +322,6 @@ class Processes:
         with self._sync_point(summed=summed) as outcome:
             self._collective(dist.all_reduce, flat)
             return outcome.summed
-
-
-def fingerprint(tensors: Sequence[torch.Tensor]) -> int:
-    """A 48-bit hash of the tensors' bits (equal tensors, equal hash), to compare replicas."""
-    total = torch.zeros((), dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
-    for index, t in enumerate(tensors):
-        bits = t.detach().reshape(-1)
-        bits = bits.view(_INT_OF_SIZE[bits.element_size()]).to(torch.int64)
-        weights = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64) * (2 * index + 1)
-        total += (bits * weights).sum()
-    return int(total) & ((1 << 48) - 1)
-
-
-@dataclass
-class GradientReducer:
-    """sd-scripts' ``all_reduce_network`` (the mean of the network's gradients over the processes, once per
-    update), in fp32 and in one flat buffer: one collective per update however many tensors the network has.
-
-    Layout: the gradients of the fp32 tensors, then the bf16 ones, then the fp16 ones, then one element counting
-    the processes whose loss was not finite this window. A tensor without a gradient on a process contributes
-    zeros; one without a gradient on every process keeps ``.grad`` None (the processes' gradient presence is summed
-    in the same sync point's status exchange, on the host). The mean is rounded back into bf16 ``.grad`` with
-    stochastic rounding (``optimizers/rounding.py``; seeded by the run and the reduction count, so identical on
-    every process): a bf16 sum would round to nearest and undo what the stochastic accumulation kept. fp16
-    gradients (``--full_fp16``) are rounded to nearest. fp32 gradients are copied out of the buffer, or with
-    ``--ddp_gradient_as_bucket_view`` become views of it (one copy of the gradients less in memory).
-    """
-
-    processes: Processes
-    params: list[torch.nn.Parameter]
-    seed: int
-    as_views: bool = False
-    reductions: int = 0
-    _flat: torch.Tensor | None = None
-    _slots: list[tuple[int, int, int]] = field(default_factory=list)  # (param index, start, stop)
-    _regions: dict[torch.dtype, tuple[int, int]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        order = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-        start = 0
-        for index in sorted(range(len(self.params)), key=lambda i: order.get(self.params[i].dtype, 3)):
-            p = self.params[index]
-            low, _ = self._regions.get(p.dtype, (start, start))
-            self._slots.append((index, start, start + p.numel()))
-            start += p.numel()
-            self._regions[p.dtype] = (low, start)
-
-    def reduce(self, loss_finite: torch.Tensor | None) -> torch.Tensor | None:
-        """Average the gradients over the processes; returns whether every process's loss was finite, a device flag
-        (so that no host sync is needed; ``loss_finite`` None: no micro-batch here, counted as finite). A single
-        process returns ``loss_finite`` unchanged."""
-        if not self.processes.distributed:
-            return loss_finite
-        size = self._slots[-1][2] if self._slots else 0
-        if self._flat is None or self.as_views:  # views: a new buffer, the previous one is the last update's .grad
-            self._flat = torch.empty(size + 1, dtype=torch.float32, device=self.processes.device)
-        flat = self._flat
-        present = [0] * len(self.params)
-        with torch.no_grad():
-            for index, start, stop in self._slots:
-                grad = self.params[index].grad
-                if grad is None:
-                    flat[start:stop].zero_()
-                else:
-                    flat[start:stop].copy_(grad.reshape(-1))
-                    present[index] = 1
-            if loss_finite is None:
-                flat[size:].zero_()
-            else:
-                flat[size:].copy_((~loss_finite.to(flat.device, torch.bool)).float().reshape(1))
-            counts = self.processes.all_reduce_sum(flat, present)
-            flat[:size].div_(self.processes.world_size)
-            self._assign(flat, counts)
-        self.reductions += 1
-        return flat[size] == 0
-
-    def _assign(self, flat: torch.Tensor, counts: list[int]) -> None:
-        rounded: dict[torch.dtype, torch.Tensor] = {}
-        for dtype, (low, high) in self._regions.items():
-            if dtype == torch.bfloat16:
-                generator = seeded_generator(flat.device, step_seed(self.seed, self.reductions))
-                rounded[dtype] = stochastic_round(flat[low:high], generator)
-            elif dtype != torch.float32:
-                rounded[dtype] = flat[low:high].to(dtype)
-        for index, start, stop in self._slots:
-            p = self.params[index]
-            if not counts[index]:
-                p.grad = None
-                continue
-            if p.dtype in rounded:
-                low = self._regions[p.dtype][0]
-                p.grad = rounded[p.dtype][start - low:stop - low].view_as(p)
-            elif self.as_views:
-                p.grad = flat[start:stop].view_as(p)
-            elif p.grad is not None and p.grad.dtype == torch.float32:
-                p.grad.copy_(flat[start:stop].view_as(p))
-            else:
-                p.grad = flat[start:stop].view_as(p).clone()
-
-    def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "reductions": self.reductions}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.seed = int(state["seed"])
-        self.reductions = int(state["reductions"])
 
 
 def start(cfg: DistributedConfig, env: dict[str, str] | None = None) -> Processes:

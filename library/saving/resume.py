@@ -8,9 +8,8 @@ CPU one that picks pyramid-noise sizes there), the stochastic-rounding accumulat
 data position (epoch, step, batch of the epoch) a resumed run repeats the uninterrupted one bit for bit. A state
 whose weights or optimizer state hold NaN or Inf is refused (``check_finite``): it could only train NaN. A
 multi-process run stores every process's generators (the main process writes them, gathered at the save:
-``library/runtime/processes.py``) and the count of gradient reductions, whose rounding bits it seeds; each process
-takes
-its own back on resume.
+``library/runtime/save_gate.py``) and the count of gradient reductions (``library/train/gradient_reduce.py``), whose
+rounding bits it seeds; each process takes its own back on resume.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from library.saving.trajectory import differences, network_differences
 from library.train.accumulation import Accumulation
 from library.train.finite import floating_tensors, refuse_non_finite
 from library.train.position import Position
-from library.train.schedule import StepPlan
+from library.train.steps import StepPlan
 from library.train.update import DynamicLossScale
 
 log = logging.getLogger(__name__)

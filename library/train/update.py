@@ -1,8 +1,8 @@
 """One optimizer update: backward of each micro-batch, then restore → reduce → check → clip → step → schedule.
 
 The order per update is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md §4.2): gradients complete (here: the
-accumulation strategy restores ``.grad``), the mean over the processes (``library/runtime/processes.py``, which also
-sums their loss flags, so that every process decides alike), clip to ``--max_grad_norm``, optimizer step,
+accumulation strategy restores ``.grad``), the mean over the processes (``library/train/gradient_reduce.py``, which
+also sums their loss flags, so that every process decides alike), clip to ``--max_grad_norm``, optimizer step,
 scheduler step (once per process, as accelerate ticks it), ``zero_grad(set_to_none=True)``, then max-norm
 regularization. Where we do better: a non-finite loss or gradient norm skips the update before any weight is
 written (stochastic rounding could otherwise turn some NaNs into finite numbers, OPTIMIZERS.md §3), and

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from library.base.errors import Stopped, TrainingDiverged, UserError
 from library.config.distributed import DistributedConfig
-from library.runtime import processes
+from library.runtime import processes, save_gate
 from library.train.position import Position, SaveHooks
 
 torch.set_num_threads(1)
@@ -95,7 +95,7 @@ def _():
     reducer.reduce(torch.tensor(True))
     values = param.grad.float()
     return {"mean": values.mean().item(), "unique": sorted(values.unique().tolist()),
-            "digest": processes.fingerprint([param.grad]), "dtype": str(param.grad.dtype)}
+            "digest": save_gate.fingerprint([param.grad]), "dtype": str(param.grad.dtype)}
 
 
 @check("broadcast")
