@@ -10,14 +10,9 @@ import pytest
 
 from library.base.errors import UserError
 from library.config import DataConfig
-from library.config.dataset import (
-    DATASET_KEYS,
-    DREAMBOOTH_ASCENDABLE_KEYS,
-    SUBSET_ASCENDABLE_KEYS,
-    load_dataset_specs,
-    parse_config,
-    parse_repeats_folder,
-)
+from library.config.dataset import load_dataset_specs, parse_config
+from library.config.dataset_folders import parse_repeats_folder
+from library.config.dataset_keys import DATASET_KEYS, DREAMBOOTH_ASCENDABLE_KEYS, SUBSET_ASCENDABLE_KEYS
 
 # Two distinct valid TOML values per key (written as TOML) and what they resolve to.
 SAMPLES = {
