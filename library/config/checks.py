@@ -13,6 +13,7 @@ from library.config.model import model_problems
 from library.config.network import network_module_problems
 from library.config.precision import precision_problems
 from library.config.ranges import range_problems
+from library.config.sdxl import sdxl_script_problems
 from library.config.sections import TrainConfig, field_default
 from library.config.unavailable import unavailable_problems
 
@@ -74,22 +75,8 @@ def _log_problems(cfg: LogConfig) -> list[str]:
     return problems
 
 
-def _family_problems(cfg: TrainConfig) -> list[str]:
-    """What ``sdxl_train_network.py`` refuses (sd-scripts' ``verify_sdxl_training_args`` / ``assert_extra_args``)."""
-    if cfg.family != "sdxl":
-        return []
-    problems = []
-    if cfg.model.v2:
-        problems.append("--v2 is for Stable Diffusion 2.x; SDXL is not SD 2.x, so remove --v2 (as sd-scripts, which "
-                        "refuses it too), or train SD 2.x models with train_network.py")
-    caching = cfg.sdxl.cache_text_encoder_outputs or cfg.sdxl.cache_text_encoder_outputs_to_disk
-    if caching and not cfg.network.network_train_unet_only:
-        problems.append("--cache_text_encoder_outputs: the text encoders' LoRA cannot train from cached outputs; "
-                        "add --network_train_unet_only (as sd-scripts requires) or drop the caching flag")
-    if cfg.data.dataset_class:
-        problems.append("--dataset_class is not implemented for SDXL here yet; remove it (it works with "
-                        "train_network.py for SD 1.x/2.x)")
-    return problems
+# What an entry script refuses beyond the checks every script makes, by model family (``TrainConfig.family``).
+SCRIPT_PROBLEMS = {"sdxl": sdxl_script_problems}
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -121,7 +108,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.optimizer.fused_backward_pass and cfg.schedule.gradient_accumulation_steps > 1:
         problems.append("--fused_backward_pass steps each parameter as soon as its gradient exists, so gradients "
                         "cannot be accumulated; use --gradient_accumulation_steps 1 or drop --fused_backward_pass")
-    problems += _family_problems(cfg)
+    problems += SCRIPT_PROBLEMS.get(cfg.family, lambda _: [])(cfg)
     nz, lo, m = cfg.noise, cfg.loss, cfg.model
     if nz.adaptive_noise_scale is not None and nz.noise_offset is None:
         problems.append("--adaptive_noise_scale adds to the noise offset, so it needs --noise_offset (as in "

@@ -34,9 +34,10 @@ LEGACY_FLAGS = {"caption_extention": "caption_extension"}
 LEGACY_OPTIMIZER_FLAGS = {"use_8bit_adam": "AdamW8bit", "use_lion_optimizer": "Lion"}
 
 PROG = "train_network.py"
-# Entry script per model family, and what its --help says it trains.
-SCRIPTS = {"sd": (PROG, "Train a LoRA for Stable Diffusion 1.x/2.x (kohya sd-scripts flags)."),
-           "sdxl": ("sdxl_train_network.py", "Train a LoRA for Stable Diffusion XL (kohya sd-scripts flags).")}
+# Entry script per model family, what its --help says it trains, and what its config errors say it trains.
+SCRIPTS = {"sd": (PROG, "Train a LoRA for Stable Diffusion 1.x/2.x (kohya sd-scripts flags).", "SD 1.x/2.x LoRAs"),
+           "sdxl": ("sdxl_train_network.py", "Train a LoRA for Stable Diffusion XL (kohya sd-scripts flags).",
+                    "SDXL LoRAs")}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,7 +71,7 @@ _CONVERT = {"int": int, "float": float, "str": str}
 def build_parser(family: str = "sd") -> argparse.ArgumentParser:
     """The argument parser of ``family``'s script; every default is ``SUPPRESS`` so that explicit flags can be told
     apart."""
-    prog, description = SCRIPTS[family]
+    prog, description, _ = SCRIPTS[family]
     parser = _Parser(prog=prog, description=description, argument_default=argparse.SUPPRESS, allow_abbrev=False)
     for section, cls in family_sections(family).items():
         group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
@@ -166,8 +167,7 @@ def read_config_file(path: str, family: str = "sd") -> dict[str, Any]:
     file = Path(path if path.endswith(".toml") else path + ".toml")
     data = _read_toml(file)
     fields = all_fields(family)
-    prog = SCRIPTS[family][0]
-    trains = "SDXL LoRAs" if family == "sdxl" else "SD 1.x/2.x LoRAs"
+    prog, _, trains = SCRIPTS[family]
     known = [*fields, *LEGACY_FLAGS, *LEGACY_OPTIMIZER_FLAGS, *GUI_ONLY_KEYS, *GUI_REFUSED_WHEN_SET]
     values: dict[str, Any] = {}
     seen_in: dict[str, str] = {}

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from library.config.fields import flag
+
+if TYPE_CHECKING:
+    from library.config.sections import TrainConfig
 
 
 @dataclass
@@ -20,3 +24,19 @@ class SDXLConfig:
     disable_mmap_load_safetensors: bool = flag(
         False, "read a .safetensors checkpoint into memory in one go instead of memory-mapping it (faster on WSL "
         "and network drives)")
+
+
+def sdxl_script_problems(cfg: TrainConfig) -> list[str]:
+    """What ``sdxl_train_network.py`` refuses (sd-scripts' ``verify_sdxl_training_args`` / ``assert_extra_args``)."""
+    problems = []
+    if cfg.model.v2:
+        problems.append("--v2 is for Stable Diffusion 2.x; SDXL is not SD 2.x, so remove --v2 (as sd-scripts, which "
+                        "refuses it too), or train SD 2.x models with train_network.py")
+    caching = cfg.sdxl.cache_text_encoder_outputs or cfg.sdxl.cache_text_encoder_outputs_to_disk
+    if caching and not cfg.network.network_train_unet_only:
+        problems.append("--cache_text_encoder_outputs: the text encoders' LoRA cannot train from cached outputs; "
+                        "add --network_train_unet_only (as sd-scripts requires) or drop the caching flag")
+    if cfg.data.dataset_class:
+        problems.append("--dataset_class is not implemented for SDXL here yet; remove it (it works with "
+                        "train_network.py for SD 1.x/2.x)")
+    return problems

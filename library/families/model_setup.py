@@ -12,9 +12,10 @@ from collections.abc import Callable
 import torch
 
 from library.config import DataConfig, ModelConfig, PrecisionConfig, SDXLConfig
+from library.families.base import ModelFamily
 from library.families.fp8 import fp8_bytes, store_fp8
 from library.families.precision import PrecisionPolicy
-from library.families.registry import SDFamily, SDXLFamily
+from library.families.sd.family import SDFamily
 from library.families.sd.loading import BUILTIN_MODELS
 from library.families.sd.parts import SDModel, load_cached_tokenizer
 from library.families.sd.single_file import SUFFIXES
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPolicy, device: torch.device,
-               family: SDFamily | SDXLFamily = SDFamily(), sdxl: SDXLConfig | None = None) -> SDModel:
+               family: ModelFamily = SDFamily(), sdxl: SDXLConfig | None = None) -> SDModel:
     """Load, freeze and cast the model of ``family``; set the tokenizer, attention backend and gradient
     checkpointing."""
     if family.name == "sdxl" and cfg.clip_skip is not None:
@@ -102,7 +103,7 @@ def offloaded_checkpoint(module: torch.nn.Module, *args):
         return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
 
 
-def store_frozen_fp8(model: SDModel, policy: PrecisionPolicy, family: SDFamily | SDXLFamily = SDFamily()) -> None:
+def store_frozen_fp8(model: SDModel, policy: PrecisionPolicy, family: ModelFamily = SDFamily()) -> None:
     """``--fp8_base`` / ``--fp8_base_unet`` (after ``--base_weights`` are merged, before the LoRA is attached)."""
     parts = [("UNet", model.unet)] if policy.unet_fp8 else []
     if policy.text_encoder_fp8:
@@ -159,7 +160,7 @@ def module_id(*modules: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def cache_text_encoder_outputs(data, model, family: SDXLFamily, policy: PrecisionPolicy, device: torch.device,
+def cache_text_encoder_outputs(data, model, family: ModelFamily, policy: PrecisionPolicy, device: torch.device,
                                sdxl: SDXLConfig, max_token_length: int | None, batch_size: int,
                                weighted: bool = False, share: Callable[[int], bool] | None = None,
                                wait: Callable[[], None] = lambda: None) -> None:

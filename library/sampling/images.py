@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
+from library.families.base import ModelFamily
 from library.families.precision import PrecisionPolicy
-from library.families.registry import SDFamily, SDXLFamily
+from library.families.sd.family import SDFamily
 from library.families.sd.parts import SDModel
 from library.sampling.prompts import SamplePlan, SamplePrompt
 from library.sampling.schedulers import build_scheduler
@@ -70,7 +71,7 @@ class SampleImages:
 
     def __init__(self, plan: SamplePlan, model: SDModel, network: torch.nn.Module, policy: PrecisionPolicy,
                  device: torch.device, folder: Path, output_name: str | None, tracker: Tracker,
-                 clip_skip: int | None, family: SDFamily | SDXLFamily = SDFamily(),
+                 clip_skip: int | None, family: ModelFamily = SDFamily(),
                  max_token_length: int | None = None) -> None:
         self.plan = plan
         self.family = family
@@ -153,7 +154,7 @@ class SampleImages:
 
 def make_sample_hooks(plan: SamplePlan | None, model: SDModel, network: torch.nn.Module, policy: PrecisionPolicy,
                       device: torch.device, output_dir: Path, output_name: str | None, tracker: Tracker,
-                      clip_skip: int | None, family: SDFamily | SDXLFamily = SDFamily(),
+                      clip_skip: int | None, family: ModelFamily = SDFamily(),
                       max_token_length: int | None = None) -> SampleHooks:
     """The loop's sample hooks; with no plan they never fire and nothing is built."""
     if plan is None:

@@ -21,7 +21,8 @@ from typing import Any
 
 from library.base.errors import UserError
 from library.config import TrainConfig
-from library.train.schedule import StepPlan
+from library.families.base import ModelIds
+from library.train.steps import StepPlan
 
 # sd-scripts keeps only these under --no_metadata.
 MINIMAL_KEYS = ("ss_v2", "ss_base_model_version", "ss_network_module", "ss_network_dim", "ss_network_alpha",
@@ -34,14 +35,6 @@ SPEC_FLAGS = ("author", "description", "license", "tags", "usage_hint", "thumbna
 
 def _s(value: Any) -> str:
     return str(value)
-
-
-def base_model_version(v2: bool, v_parameterization: bool, sdxl: bool = False) -> str:
-    """``ss_base_model_version``: sd_v1, sd_v2, or sd_v2_v (sd-scripts' get_sai_model_spec naming); SDXL is
-    ``sdxl_base_v1-0`` (``sdxl_model_util.MODEL_VERSION_SDXL_BASE_V1_0``, no "_v" suffix)."""
-    if sdxl:
-        return "sdxl_base_v1-0"
-    return ("sd_v2" if v2 else "sd_v1") + ("_v" if v_parameterization else "")
 
 
 @dataclass(frozen=True)
@@ -67,27 +60,20 @@ class Metadata:
         return {**meta, **spec}
 
 
-def modelspec(cfg: TrainConfig, resolution: tuple[int, int], thumbnail: str | None) -> dict[str, str]:
+def modelspec(cfg: TrainConfig, ids: ModelIds, resolution: tuple[int, int], thumbnail: str | None) -> dict[str, str]:
     """SAI ModelSpec 1.0.1 entries of a LoRA except title and date (sd-scripts' ``sai_model_spec.build_metadata``
     via ``train_util.get_sai_model_spec``).
 
     ``modelspec.timestep_range`` is "min,max" when ``--min_timestep`` or ``--max_timestep`` is given (the other
     end 0 or 1000), ``modelspec.encoder_layer`` the ``--clip_skip``; every ``--metadata_*`` flag that is given
-    becomes ``modelspec.<name>``, with ``thumbnail`` the data URL (``thumbnail_data_url``). An SDXL LoRA is
-    ``stable-diffusion-xl-v1-base/lora`` implemented by Stability AI's generative-models, as upstream writes it.
+    becomes ``modelspec.<name>``, with ``thumbnail`` the data URL (``thumbnail_data_url``). The architecture and
+    implementation are the model family's (``ids``).
     """
     m, s, nz = cfg.model, cfg.save, cfg.noise
-    sdxl = cfg.family == "sdxl"
-    if sdxl:
-        arch = "stable-diffusion-xl-v1-base/lora"
-    elif not m.v2:
-        arch = "stable-diffusion-v1/lora"
-    else:
-        arch = "stable-diffusion-v2-768-v/lora" if m.v_parameterization else "stable-diffusion-v2-512/lora"
     spec = {
         "modelspec.sai_model_spec": "1.0.1",
-        "modelspec.architecture": arch,
-        "modelspec.implementation": "https://github.com/Stability-AI/generative-models" if sdxl else "diffusers",
+        "modelspec.architecture": ids.architecture,
+        "modelspec.implementation": ids.implementation,
         "modelspec.resolution": f"{resolution[0]}x{resolution[1]}",
         "modelspec.prediction_type": "v" if m.v_parameterization else "epsilon",
         "modelspec.implementation_version": PROJECT_VERSION,
@@ -155,23 +141,11 @@ def model_identity(value: str, kind: str) -> dict[str, str]:
     return out
 
 
-def training_metadata(cfg: TrainConfig, plan: StepPlan, *, seed: int, thumbnail: str | None,
-                      dataset_meta: dict[str, str],
-                      network_meta: dict[str, str], optimizer_name: str, stochastic_rounding: bool,
-                      num_train_images: int, num_reg_images: int, resolution: tuple[int, int],
-                      started: float) -> Metadata:
-    """Everything sd-scripts writes at the start of training (``ss_steps``/``ss_epoch`` come at save time).
-
-    ``seed`` is the run's seed, also when it was drawn because ``--seed`` was not given (sd-scripts draws one and
-    records it); ``thumbnail`` the ``--metadata_thumbnail`` data URL (``thumbnail_data_url``). Without
-    ``--dataset_config``, ``ss_total_batch_size`` = batch x processes x accumulation follows the flat dataset keys,
-    as in sd-scripts. With several processes ``ss_num_batches_per_epoch`` is each process's share (sd-scripts
-    writes the length of its accelerate-sharded loader), ``ss_num_epochs`` and ``ss_max_train_steps`` count
-    updates, which every process makes together. The model (and ``--vae``) name and hashes: ``model_identity``.
-    """
-    m, d, n, o, sc, p, nz, lo = (cfg.model, cfg.data, cfg.network, cfg.optimizer, cfg.schedule, cfg.precision,
-                                 cfg.noise, cfg.loss)
-    meta = {
+def _run_entries(cfg: TrainConfig, plan: StepPlan, ids: ModelIds, *, seed: int, stochastic_rounding: bool,
+                 num_train_images: int, num_reg_images: int, started: float) -> dict[str, str]:
+    """The first half of sd-scripts' ``ss_*`` entries, in its order: the run, its schedule, precision and model."""
+    m, d, o, sc, p = cfg.model, cfg.data, cfg.optimizer, cfg.schedule, cfg.precision
+    return {
         "ss_session_id": _s(uuid.uuid4().int % 2**31),
         "ss_training_started_at": _s(started),
         "ss_output_name": _s(cfg.save.output_name),
@@ -192,12 +166,19 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, *, seed: int, thumbnail:
         "ss_full_bf16": _s(p.full_bf16),
         "ss_stochastic_rounding": _s(stochastic_rounding),
         "ss_v2": _s(m.v2),
-        "ss_base_model_version": base_model_version(m.v2, m.v_parameterization, cfg.family == "sdxl"),
+        "ss_base_model_version": ids.base_model_version,
         "ss_clip_skip": _s(m.clip_skip),
         "ss_max_token_length": _s(m.max_token_length),
         "ss_cache_latents": _s(d.cache_latents or d.cache_latents_to_disk),
         "ss_seed": _s(seed),
         "ss_lowram": _s(m.lowram),
+    }
+
+
+def _method_entries(cfg: TrainConfig, optimizer_name: str) -> dict[str, str]:
+    """The second half of sd-scripts' ``ss_*`` entries, in its order: noise, optimizer, captions, loss, validation."""
+    d, n, o, p, nz, lo = cfg.data, cfg.network, cfg.optimizer, cfg.precision, cfg.noise, cfg.loss
+    return {
         "ss_noise_offset": _s(nz.noise_offset),
         "ss_multires_noise_iterations": _s(nz.multires_noise_iterations),
         "ss_multires_noise_discount": _s(nz.multires_noise_discount),
@@ -230,6 +211,29 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, *, seed: int, thumbnail:
         "ss_validate_every_n_epochs": _s(cfg.validation.validate_every_n_epochs),
         "ss_validate_every_n_steps": _s(cfg.validation.validate_every_n_steps),
         "ss_resize_interpolation": _s(d.resize_interpolation),
+    }
+
+
+def training_metadata(cfg: TrainConfig, plan: StepPlan, ids: ModelIds, *, seed: int, thumbnail: str | None,
+                      dataset_meta: dict[str, str],
+                      network_meta: dict[str, str], optimizer_name: str, stochastic_rounding: bool,
+                      num_train_images: int, num_reg_images: int, resolution: tuple[int, int],
+                      started: float) -> Metadata:
+    """Everything sd-scripts writes at the start of training (``ss_steps``/``ss_epoch`` come at save time).
+
+    ``ids`` are the model family's names of the base model (``ModelFamily.model_ids``). ``seed`` is the run's seed,
+    also when it was drawn because ``--seed`` was not given (sd-scripts draws one and records it); ``thumbnail`` the
+    ``--metadata_thumbnail`` data URL (``thumbnail_data_url``). Without ``--dataset_config``, ``ss_total_batch_size``
+    = batch x processes x accumulation follows the flat dataset keys, as in sd-scripts. With several processes
+    ``ss_num_batches_per_epoch`` is each process's share (sd-scripts writes the length of its accelerate-sharded
+    loader), ``ss_num_epochs`` and ``ss_max_train_steps`` count updates, which every process makes together. The
+    model (and ``--vae``) name and hashes: ``model_identity``.
+    """
+    m = cfg.model
+    meta = {
+        **_run_entries(cfg, plan, ids, seed=seed, stochastic_rounding=stochastic_rounding,
+                       num_train_images=num_train_images, num_reg_images=num_reg_images, started=started),
+        **_method_entries(cfg, optimizer_name),
         **dataset_meta,
         **network_meta,
     }
@@ -241,7 +245,7 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, *, seed: int, thumbnail:
         meta.update(model_identity(m.vae, "vae"))
     if cfg.save.no_metadata:
         meta = {k: v for k, v in meta.items() if k in MINIMAL_KEYS}
-    spec = modelspec(cfg, resolution, thumbnail)
+    spec = modelspec(cfg, ids, resolution, thumbnail)
     return Metadata(meta, spec, cfg.save.metadata_title or cfg.save.output_name, cfg.save.no_metadata)
 
 

@@ -28,8 +28,9 @@ import torch
 
 from library.base.errors import UserError
 from library.config import LossConfig, NoiseConfig
+from library.families.base import ModelFamily
 from library.families.precision import PrecisionPolicy
-from library.families.registry import SDFamily, SDXLFamily
+from library.families.sd.family import SDFamily
 from library.families.sd.parts import SDModel
 from library.families.sd.text_encoding import encode_text
 from library.train.loss import training_loss
@@ -63,7 +64,7 @@ class BatchLoss:
     max_token_length: int | None
     train_text_encoder: bool
     weighted_captions: bool = False
-    family: SDFamily | SDXLFamily = SDFamily()
+    family: ModelFamily = SDFamily()
     readout: Readout = field(default_factory=Readout)
     host_generator: torch.Generator | None = None
     schedule: DeviceSchedule | None = None  # made once from the model's scheduler (kept by dataclasses.replace)

@@ -13,13 +13,14 @@ import torch
 
 from library.base.errors import UserError
 from library.config import ModelConfig, NetworkConfig, OptimizerConfig
+from library.families.base import ModelFamily
 from library.families.precision import PrecisionPolicy
-from library.families.registry import SDFamily, SDXLFamily
+from library.families.sd.family import SDFamily
 from library.families.sd.parts import SDModel
 from library.train.finite import refuse_non_finite
 from networks import NETWORK_MODULE_ALIASES
 from networks.args import network_metadata
-from networks.lora import load_weights_file
+from networks.lora_format import load_weights_file
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def import_network_module(name: str):
 
 
 def merge_base_weights(cfg: ModelConfig, network_module: str, model: SDModel, policy: PrecisionPolicy,
-                       family: SDFamily | SDXLFamily = SDFamily()) -> None:
+                       family: ModelFamily = SDFamily()) -> None:
     """``--base_weights``: merge each file into the frozen UNet / text encoder, as sd-scripts' ``train_network.py``:
     ``--network_module``'s ``create_network_from_weights(multiplier, file, ..., for_inference=True)`` then its
     ``merge_to(text_encoder, unet, weights, dtype, device)``; the i-th file takes the i-th
@@ -63,8 +64,6 @@ def merge_base_weights(cfg: ModelConfig, network_module: str, model: SDModel, po
 
 
 def _read_base_weights(file: str) -> dict[str, torch.Tensor]:
-    from networks.lora import load_weights_file
-
     try:
         weights = load_weights_file(file)
     except UserError as exc:  # its messages start with the file's path
@@ -102,7 +101,7 @@ def check_network_weights(cfg: NetworkConfig) -> None:
 
 
 def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, device: torch.device,
-                  family: SDFamily | SDXLFamily = SDFamily()):
+                  family: ModelFamily = SDFamily()):
     """Create the network with ``--network_module``'s ``create_network`` and attach it to the models (SDXL: both
     text encoders, as a list, as sd-scripts passes them)."""
     module = import_network_module(cfg.network_module)
@@ -132,7 +131,7 @@ def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, d
     return network, train_te
 
 
-def check_rank(network_dim: int | None, model: SDModel, family: SDFamily | SDXLFamily = SDFamily()) -> None:
+def check_rank(network_dim: int | None, model: SDModel, family: ModelFamily = SDFamily()) -> None:
     """``networks.lora``: a rank above every layer's min(in, out) adds parameters (and memory, without bound) but no
     expressiveness; sd-scripts allocates it anyway and runs out of memory for a mistyped rank."""
     if network_dim is None:

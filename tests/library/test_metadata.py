@@ -15,6 +15,7 @@ import pytest
 
 from library.base.errors import UserError
 from library.config.cli import parse_args
+from library.families.sd.family import SDFamily
 from library.saving.metadata import Metadata, model_identity, modelspec, thumbnail_data_url
 
 BASE = ["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--train_data_dir", "x", "--output_dir", "o"]
@@ -63,7 +64,7 @@ def test_every_metadata_flag_becomes_a_modelspec_entry():
         "a,b", "--metadata_usage_hint", "hint", "--metadata_merged_from", "x,y", "--metadata_trigger_phrase", "sks",
         "--metadata_preprocessor", "pp", "--metadata_is_negative_embedding", "False", "--clip_skip", "2",
         "--min_timestep", "10"])
-    spec = modelspec(cfg, (64, 48), "data:image/png;base64,AA")
+    spec = modelspec(cfg, SDFamily().model_ids(False, False), (64, 48), "data:image/png;base64,AA")
     assert {k: spec[f"modelspec.{k}"] for k in ("author", "description", "license", "tags", "usage_hint",
                                                "merged_from", "trigger_phrase", "preprocessor",
                                                "is_negative_embedding", "thumbnail")} == {
@@ -77,7 +78,7 @@ def test_every_metadata_flag_becomes_a_modelspec_entry():
 
 def test_no_timestep_range_without_the_flags():
     cfg, _ = parse_args(BASE)
-    spec = modelspec(cfg, (64, 64), None)
+    spec = modelspec(cfg, SDFamily().model_ids(False, False), (64, 64), None)
     assert "modelspec.timestep_range" not in spec and "modelspec.thumbnail" not in spec
     assert "modelspec.encoder_layer" not in spec
 

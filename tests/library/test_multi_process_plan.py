@@ -19,10 +19,11 @@ from torch.utils.data import BatchSampler
 from library.base.errors import UserError
 from library.config import OptimizerConfig, ScheduleConfig
 from library.config.cli import parse_args
+from library.families.sd.family import SDFamily
 from library.saving.metadata import training_metadata
 from library.train import optimizer_setup
 from library.train.accumulation import build_accumulation
-from library.train.schedule import plan_steps
+from library.train.steps import plan_steps
 from library.train.update import Updater
 
 GRID = [(images, batch, accumulation, processes)
@@ -66,8 +67,9 @@ def test_metadata_is_what_sd_scripts_writes_for_n_processes(images, batch, accum
                          "--gradient_accumulation_steps", str(accumulation)])
     plan = plan_steps(math.ceil(images / batch), batch_size=batch, gradient_accumulation_steps=accumulation,
                       num_processes=processes, max_train_epochs=2)
-    meta = training_metadata(cfg, plan, seed=1, thumbnail=None, dataset_meta={"ss_batch_size_per_device": "x"},
-                             network_meta={}, optimizer_name="AdamW", stochastic_rounding=False,
+    meta = training_metadata(cfg, plan, SDFamily().model_ids(False, False), seed=1, thumbnail=None,
+                             dataset_meta={"ss_batch_size_per_device": "x"}, network_meta={}, optimizer_name="AdamW",
+                             stochastic_rounding=False,
                              num_train_images=images, num_reg_images=0, resolution=(64, 64), started=0.0).at_save(
         steps=1, epoch=1)
     expected = upstream(images, batch, accumulation, processes, 2, 0)

@@ -1,0 +1,90 @@
+"""Stable Diffusion 1.x / 2.x as a model family (``train_network.py``): one CLIP text encoder, no size conditioning.
+
+Loading: ``library/families/sd/loading.py``; text conditioning: ``library/families/sd/text_encoding.py``; sample
+conditioning: sd-scripts' lpw pipeline (``library/sampling/conditioning.py``). LoRA names are the network's business
+(``networks/families.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from library.config import ModelConfig, SDXLConfig
+from library.families.base import ModelIds
+from library.train.readout import to_device
+
+
+@dataclass(frozen=True)
+class SDFamily:
+    """Stable Diffusion 1.x / 2.x (``train_network.py``): one CLIP text encoder, no size conditioning."""
+
+    name: str = "sd"
+    caches_text_outputs: bool = False
+    bucket_step: int = 64  # sd-scripts' verify_bucket_reso_steps(64) in train_network.py
+    latent_suffix: str = "_sd"  # SdSdxlLatentsCachingStrategy.SD_LATENTS_NPZ_SUFFIX
+
+    def model_ids(self, v2: bool, v_parameterization: bool) -> ModelIds:
+        """sd-scripts' names: ``ss_base_model_version`` sd_v1, sd_v2 or sd_v2_v (``get_sai_model_spec``), the
+        ModelSpec architecture of SD 1.x, 2.x 512 or 2.x 768-v, implemented by diffusers."""
+        if not v2:
+            architecture = "stable-diffusion-v1/lora"
+        else:
+            architecture = "stable-diffusion-v2-768-v/lora" if v_parameterization else "stable-diffusion-v2-512/lora"
+        return ModelIds(("sd_v2" if v2 else "sd_v1") + ("_v" if v_parameterization else ""), architecture, "diffusers")
+
+    def load(self, cfg: ModelConfig, sdxl: SDXLConfig, dtype: torch.dtype, file_device: str = "cpu") -> Any:
+        """The model in fp32 (``dtype``, the frozen weight dtype, is for built-ins that can be made in it; a single
+        file is read to ``file_device``, ``--lowram``)."""
+        from library.families.sd.loading import load_sd_model
+
+        return load_sd_model(cfg.pretrained_model_name_or_path, v2=cfg.v2, v_parameterization=cfg.v_parameterization,
+                             vae=cfg.vae, file_device=file_device)
+
+    def text_encoders(self, model: Any) -> list[torch.nn.Module]:
+        return [model.text_encoder]
+
+    def network_text_encoder(self, model: Any) -> Any:
+        """What ``create_network`` / ``apply_to`` receive as the text encoder (sd-scripts passes the module)."""
+        return model.text_encoder
+
+    def encode(self, model: Any, captions: list[str], device: torch.device, *, clip_skip: int | None,
+               max_token_length: int | None, weighted: bool = False) -> torch.Tensor:
+        """Encoder states of the captions; ``weighted`` (``--weighted_captions``): scaled by each token's weight."""
+        from library.families.sd.text_encoding import encode_text
+        from library.text.tokens import apply_token_weights, tokenize, tokenize_with_weights
+
+        if not weighted:
+            ids = to_device(tokenize(model.tokenizer, captions, max_token_length), device)
+            return encode_text(model.text_encoder, ids, clip_skip=clip_skip, max_token_length=max_token_length,
+                               v2=model.v2)
+        ids, weights = tokenize_with_weights(model.tokenizer, captions, max_token_length)
+        states = encode_text(model.text_encoder, to_device(ids, device), clip_skip=clip_skip,
+                             max_token_length=max_token_length, v2=model.v2)
+        return apply_token_weights(states, to_device(weights, device), max_token_length)
+
+    def predict(self, model: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: torch.Tensor, batch: dict,
+                dtype: torch.dtype) -> torch.Tensor:
+        return model.unet(noisy, timesteps, cond.to(dtype)).sample
+
+    def sample_pipeline(self, model: Any, unet: torch.nn.Module) -> Any:
+        """The diffusers pipeline that draws sample images (``library/sampling/images.py``)."""
+        from diffusers import StableDiffusionPipeline
+
+        # No scheduler here: the constructor would rewrite its config (steps_offset, clip_sample); each image
+        # sets its own.
+        return StableDiffusionPipeline(
+            vae=model.vae, text_encoder=model.text_encoder, tokenizer=model.tokenizer, unet=unet, scheduler=None,
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+    def sample_conditioning(self, model: Any, prompt: str, negative: str | None, *, clip_skip: int | None,
+                            max_token_length: int | None, device: torch.device) -> dict[str, Any]:
+        """The pipeline's text inputs for a sample prompt (``negative`` None: no guidance), as sd-scripts' lpw
+        pipeline computes them (``library/sampling/conditioning.py``); ``max_token_length`` does not apply."""
+        from library.sampling.conditioning import prompt_embeddings
+
+        texts = [prompt] if negative is None else [prompt, negative]
+        embeds = prompt_embeddings(model.text_encoder, model.tokenizer, texts, clip_skip)
+        return {"prompt_embeds": embeds[0], "negative_prompt_embeds": embeds[1] if negative is not None else None}
