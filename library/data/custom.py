@@ -285,7 +285,7 @@ def build_custom_data(data: DataConfig, *, seed: int, max_token_length: int | No
                       masked_loss: bool = False) -> CustomData:
     """Import and construct ``--dataset_class`` as sd-scripts does; check its first batch."""
     from library.families.sd.parts import load_tokenizer
-    from library.families.sd.text_encoding import num_chunks
+    from library.text.tokens import num_chunks
 
     cls = load_dataset_class(data.dataset_class)
     try:

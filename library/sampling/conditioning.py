@@ -9,7 +9,7 @@ pipeline, itself after AUTOMATIC1111's prompt syntax). This module reproduces it
   ``--max_token_length`` says (the pipeline's ``max_embeddings_multiples=3``). The prompt and the negative prompt
   get the same number of chunks, enough for the longer one. Tokens are padded with EOS. Each chunk is encoded as
   BOS + 75 tokens + the last token, and every chunk keeps its BOS and EOS states (``no_boseos_middle=False``), so
-  the UNet sees ``77·n`` positions (training captions give ``75·n + 2``, ``library/families/sd/text_encoding.py``).
+  the UNet sees ``77·n`` positions (training captions give ``75·n + 2``, ``library/text/tokens.py``).
 * **clip_skip**: hidden state ``[-clip_skip]`` through the final layer norm, as in training.
 * **Rescale**: after the states are multiplied by their tokens' weights, the whole tensor is rescaled so that its
   mean is what it was before weighting. Without weights this is skipped: it would multiply by exactly 1, or give
@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from library.text import tokens
+from library.text.tokens import TEXT, chunk_rows
 from library.text.weights import parse_prompt_attention
 
 if TYPE_CHECKING:
@@ -30,14 +32,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CHUNK_TOKENS = 75
 MAX_CHUNKS = 3
 
 
 def weighted_tokens(tokenizer: CLIPTokenizer, text: str) -> tuple[list[int], list[float]]:
     """Token ids of ``text`` without BOS/EOS and one weight per token; each weighted fragment is tokenised on its
     own. More than 225 tokens are cut (with a warning)."""
-    limit = CHUNK_TOKENS * MAX_CHUNKS
+    limit = TEXT * MAX_CHUNKS
     ids: list[int] = []
     weights: list[float] = []
     for fragment, weight in parse_prompt_attention(text):
@@ -54,41 +55,19 @@ def weighted_tokens(tokenizer: CLIPTokenizer, text: str) -> tuple[list[int], lis
 def chunk_count(*lengths: int) -> int:
     """Number of 75-token chunks for token sequences of these lengths: 1 to 3."""
     longest = max(lengths)
-    return max(1, min(MAX_CHUNKS, (longest - 1) // CHUNK_TOKENS + 1))
+    return max(1, min(MAX_CHUNKS, (longest - 1) // TEXT + 1))
 
 
 def chunk_ids(ids: list[int], chunks: int, bos: int, eos: int, pad: int) -> list[list[int]]:
-    """``chunks`` rows of 77 token ids for the text encoder.
-
-    The sequence is BOS + ids + EOS padding to ``75·chunks + 2``; row ``i`` is BOS, tokens ``75i+1 … 75i+75`` and
-    a last token: the sequence's last (EOS) for SD1 (pad = EOS); for SD2 (pad "!") the token after the row, made
-    EOS unless it is EOS or pad, and a row that starts BOS pad gets EOS in position 1.
-    """
-    length = CHUNK_TOKENS * chunks + 2
-    full = [bos] + ids + [eos] * (length - 1 - len(ids))
-    if chunks == 1:
-        return [full]
-    rows = []
-    for i in range(chunks):
-        row = full[CHUNK_TOKENS * i:CHUNK_TOKENS * i + CHUNK_TOKENS + 2]
-        row[0] = bos
-        if pad == eos:
-            row[-1] = full[-1]
-        else:
-            if row[-1] not in (eos, pad):
-                row[-1] = eos
-            if row[1] == pad:
-                row[1] = eos
-        rows.append(row)
-    return rows
+    """``chunks`` rows of 77 token ids for the text encoder: the sequence BOS + ids + EOS padding to
+    ``75·chunks + 2``, cut by ``library/text/tokens.chunk_rows`` as the lpw pipeline cuts it (``closing="next"``)."""
+    full = [bos] + ids + [eos] * (TEXT * chunks + 1 - len(ids))
+    return chunk_rows(full, chunks, eos, pad, closing="next")
 
 
 def chunk_weights(weights: list[float], chunks: int) -> list[float]:
     """Weights of the ``77·chunks`` encoder positions: 1.0 for BOS/EOS/padding, each token's weight at its place."""
-    out = [1.0] * ((CHUNK_TOKENS + 2) * chunks)
-    for i, weight in enumerate(weights):
-        out[(i // CHUNK_TOKENS) * (CHUNK_TOKENS + 2) + 1 + i % CHUNK_TOKENS] = weight
-    return out
+    return tokens.chunk_weights([1.0, *weights, *[1.0] * (TEXT * chunks + 1 - len(weights))], chunks)
 
 
 def _encode(text_encoder: CLIPTextModel, rows: torch.Tensor, clip_skip: int | None) -> torch.Tensor:

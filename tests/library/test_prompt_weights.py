@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from library.base.errors import UserError
-from library.families.sd.text_encoding import apply_token_weights, encode_text, tokenize, tokenize_with_weights
+from library.families.sd.text_encoding import encode_text
+from library.text.tokens import apply_token_weights, tokenize, tokenize_with_weights
 from library.text.weights import parse_prompt_attention, weighted_token_ids
 
 torch.set_num_threads(1)

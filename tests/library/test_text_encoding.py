@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from library.base.errors import UserError
-from library.families.sd.text_encoding import encode_text, tokenize
+from library.families.sd.text_encoding import encode_text
+from library.text.tokens import tokenize
 
 torch.set_num_threads(1)
 

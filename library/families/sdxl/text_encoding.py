@@ -1,6 +1,6 @@
 """SDXL text conditioning as sd-scripts' ``library/strategy_sdxl.py`` computes it.
 
-* Tokenising: each caption is tokenised by both tokenizers exactly as for SD 1.x/2.x (``text_encoding.tokenize``,
+* Tokenising: each caption is tokenised by both tokenizers exactly as for SD 1.x/2.x (``library/text/tokens.tokenize``,
   with ``--max_token_length`` 150/225 chunking); the second tokenizer pads with id 0, so its chunks get SD2's EOS
   fix-ups, as upstream's ``SdxlTokenizeStrategy``.
 * Encoding (``SdxlTextEncodingStrategy._get_hidden_states_sdxl``): every 77-token chunk is encoded separately;
@@ -13,8 +13,8 @@
 
 * ``--weighted_captions`` (``SdxlTokenizeStrategy.tokenize_with_weights``,
   ``SdxlTextEncodingStrategy.encode_tokens_with_weights``): each tokenizer weights its own tokens as for SD 1.x/2.x
-  (``text_encoding.tokenize_with_weights``), each hidden state is multiplied by its encoder's weights
-  (``text_encoding.apply_token_weights``: every position with one chunk, the 75 text positions of each chunk with
+  (``library/text/tokens.tokenize_with_weights``), each hidden state is multiplied by its encoder's weights
+  (``library/text/tokens.apply_token_weights``: every position with one chunk, the 75 text positions of each chunk with
   several), and the pooled output is left as encoded.
 
 The UNet's text input is the two hidden states concatenated on the feature axis (768 + 1280 = 2048 for SDXL).
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from library.families.sd.text_encoding import CHUNK, apply_token_weights, num_chunks, tokenize, tokenize_with_weights
+from library.text.tokens import CHUNK, apply_token_weights, num_chunks, tokenize, tokenize_with_weights
 from library.train.readout import to_device
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class SDXLTextConditioning:
 
 def tokenize_sdxl(tokenizers: tuple[CLIPTokenizer, CLIPTokenizer], captions: list[str],
                   max_token_length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids ``[B, n·77]`` for each encoder (``text_encoding.tokenize`` with each tokenizer)."""
+    """Token ids ``[B, n·77]`` for each encoder (``library/text/tokens.tokenize`` with each tokenizer)."""
     first, second = tokenizers
     return tokenize(first, captions, max_token_length), tokenize(second, captions, max_token_length)
 
