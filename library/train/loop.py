@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from library.base.errors import TrainingDiverged
 from library.train.position import Position, SampleHooks, SaveHooks
-from library.train.schedule import StepPlan
+from library.train.steps import StepPlan
 from library.train.tracking import LossAverage, Tracker, progress_fields
 from library.train.update import Updater
 from library.train.validation import Validation

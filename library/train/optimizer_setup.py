@@ -19,10 +19,8 @@ from library.base.errors import UserError, did_you_mean
 from library.config import OptimizerConfig, ScheduleConfig
 from library.families.precision import PrecisionPolicy, dtype_name
 from library.train.effective_lr import effective_lrs
-from library.train.optimizer_advice import needs_adafactor_scheduler, startup_warnings
-from library.train.schedule import (
+from library.train.lr_schedule import (
     LRShape,
-    StepPlan,
     build_lr_scheduler,
     find_schedule,
     has_warmup,
@@ -31,6 +29,8 @@ from library.train.schedule import (
     schedule_problems,
     unread_flags,
 )
+from library.train.optimizer_advice import needs_adafactor_scheduler, startup_warnings
+from library.train.steps import StepPlan
 from library.train.tracking import lr_tags
 
 log = logging.getLogger(__name__)

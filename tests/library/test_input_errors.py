@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 from library.base.errors import UserError
 from library.config import DataConfig, NetworkConfig
 from library.config.dataset import read_config_file
-from library.data import build_train_data
+from library.data.dataset import build_train_data
 from library.families.sd.single_file import read_state_dict
 from library.runtime import fs_checks
 from library.train import network_setup
-from library.train.schedule import plan_steps
+from library.train.steps import plan_steps
 
 
 def _images(folder, count=2, size=(64, 64)):

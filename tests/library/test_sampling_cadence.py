@@ -15,7 +15,7 @@ import torch
 
 from library.train.loop import train_loop
 from library.train.position import Position, SampleHooks, SaveHooks
-from library.train.schedule import StepPlan
+from library.train.steps import StepPlan
 from library.train.update import UpdateResult
 
 

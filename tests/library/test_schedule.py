@@ -11,7 +11,8 @@ import torch
 from library.base.errors import UserError
 from library.config import OptimizerConfig, ScheduleConfig
 from library.train import optimizer_setup
-from library.train.schedule import LR_SCHEDULERS, LRShape, lr_factor, parse_step_rules, plan_steps, resolve_steps
+from library.train.lr_schedule import LR_SCHEDULERS, LRShape, lr_factor, parse_step_rules, resolve_steps
+from library.train.steps import plan_steps
 
 torch.set_num_threads(1)
 
