@@ -26,7 +26,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from library.config import DataConfig  # noqa: E402
-from library.data import build_train_data  # noqa: E402
+from library.data.dataset import build_train_data  # noqa: E402
 
 
 def generate_images(folder: Path, count: int, seed: int) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from library.config import validate
 from library.config.cli import parse_args
-from library.data import build_train_data
+from library.data.dataset import build_train_data
 from library.families.registry import model_family
 from library.train.optimizer_setup import check_optimizer
 

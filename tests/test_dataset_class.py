@@ -11,7 +11,7 @@ import train_network
 from library.base.errors import UserError
 from library.config import DataConfig, validate
 from library.config.cli import parse_args
-from library.data import build_train_data
+from library.data.dataset import build_train_data
 
 HERE = "tests.test_dataset_class"
 

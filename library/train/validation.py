@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from library.config import ValidationConfig
-from library.data import TrainData
+from library.data.dataset import TrainData
 from library.train.batch_loss import BatchLoss
 from library.train.position import Position
 from library.train.tracking import validation_scalars

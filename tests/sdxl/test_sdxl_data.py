@@ -14,7 +14,7 @@ from PIL import Image
 
 from library.base.errors import UserError
 from library.config.cli import parse_args
-from library.data import build_train_data
+from library.data.dataset import build_train_data
 
 NAMES = ("hidden_state1", "hidden_state2", "pool2")
 

@@ -15,7 +15,8 @@ from PIL import Image
 
 from library.base.errors import UserError
 from library.config import DataConfig
-from library.data import build_train_data, info_cache, prepare
+from library.data import info_cache, prepare
+from library.data.dataset import build_train_data
 
 
 def build(tmp_path, **kw):

@@ -11,7 +11,7 @@ from PIL import Image
 
 from library.base.errors import UserError
 from library.config import DataConfig
-from library.data import build_train_data
+from library.data.dataset import build_train_data
 
 
 def cli(tmp_path, **kw) -> DataConfig:

@@ -8,7 +8,7 @@ import pytest
 
 from library.base.errors import UserError
 from library.config import DataConfig
-from library.data import build_train_data
+from library.data.dataset import build_train_data
 
 
 def test_metadata_dataset_beside_dreambooth_dataset(tmp_path, make_folder):

@@ -9,7 +9,7 @@ from conftest import write_image
 
 from library.base.errors import UserError
 from library.config import DataConfig
-from library.data import build_train_data
+from library.data.dataset import build_train_data
 from library.data.latent_cache import CACHE_KEY
 
 

@@ -16,8 +16,8 @@ from PIL import Image
 
 from library.base.errors import UserError
 from library.config import DataConfig, LossConfig
-from library.data import build_train_data
 from library.data.batches import BatchKey
+from library.data.dataset import build_train_data
 from library.data.latent_cache import CACHE_KEY
 from library.train.loss import per_sample_loss
 

@@ -17,7 +17,7 @@ import pytest
 
 from library.base.errors import UserError
 from library.config import DataConfig
-from library.data import build_train_data
+from library.data.dataset import build_train_data
 from library.data.split import split_counts
 
 
