@@ -23,8 +23,6 @@ from torch import nn
 
 from optimizers.accumulate import SeededStochasticAccumulator
 
-ACCUMULATION_MODES = ("stochastic", "fp32")
-
 
 @dataclass
 class Accumulation:
