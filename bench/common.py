@@ -14,6 +14,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,8 +77,12 @@ def reproduce_command(script: str) -> str:
     return f"{threads}HF_HUB_OFFLINE=1 .venv/bin/python bench/{script} {shlex.join(sys.argv[1:])}".rstrip()
 
 
-def publish(report: str, out: Path) -> None:
-    """Print a results table and write it to ``out`` (its folder created if needed)."""
+def publish(report: str, out: Path, placeholders: dict[str, str] | None = None) -> None:
+    """Print a results table and write it to ``out`` (its folder created if needed). Paths of this machine become
+    placeholders (``placeholders`` first, e.g. ``{peer_dir: "$PEER_DIR"}``, then ``$TMPDIR`` and ``~``), so the
+    recorded command lines carry none."""
+    for path, name in {**(placeholders or {}), tempfile.gettempdir(): "$TMPDIR", str(Path.home()): "~"}.items():
+        report = report.replace(path, name)
     print(report)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report + "\n")

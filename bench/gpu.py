@@ -2,7 +2,7 @@
 and train_network.py's s/step and peak CUDA memory on the SD1.5 architecture.
 
     .venv/bin/python bench/gpu.py --budget-seconds 480      # on CUDA: writes bench/results/gpu-<date>.md
-    .venv/bin/python bench/gpu.py --dry-run --out /tmp/g.md # anywhere: the same code paths at tiny sizes, on the CPU
+    .venv/bin/python bench/gpu.py --dry-run --out g.md      # anywhere: the same code paths at tiny sizes, on the CPU
 
 Without CUDA (and without ``--dry-run``) it prints why and exits 0 without writing anything.
 

@@ -17,7 +17,7 @@ with ``--upstream-python`` (a python with upstream's packages), in a child that 
 with ``--tokenizer_cache_dir`` holding the bundled tokenizer under both upstream names. Ratio = upstream / ours.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2 .venv/bin/python bench/sdxl_memory_speed.py --steps 3 \\
-        --upstream /tmp/patched-sd-scripts --upstream-python /path/to/upstream/venv/bin/python
+        --upstream /path/to/patched-sd-scripts --upstream-python /path/to/upstream/venv/bin/python
 
 writes ``bench/results/sdxl-memory-speed-<date>.md`` and prints it.
 """

@@ -23,8 +23,10 @@ over rounds, and the load average before each run. The child also stamps the pro
 threads on two busy cores can stretch tenfold. ``--profile DIR`` adds a ``torch.profiler`` table (self CPU time per
 op, ``--profile_shapes``: per input shape) of the step after ``--warmup`` for every run; that step is not timed.
 
-    OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_upstream.py
-    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_upstream.py --threads 1 --rounds 2 --steps 6
+    PEER_DIR=<harness> OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_upstream.py
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_upstream.py --peer_dir <harness> --threads 1
+
+(``<harness>``: the folder ``shared/upstream/setup.sh`` built, its ``PEER_DIR``.)
 
 writes ``bench/results/vs-upstream-2026-12-01.md`` and prints it.
 """
@@ -51,7 +53,6 @@ from memory_speed import MARKER, machine, vm_hwm_bytes  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 STEM = "vs-upstream-2026-12-01"
-PEER = Path("/root/.cache/sd-peer")
 PRECISIONS = {
     "fp32": ["--mixed_precision", "no"],
     "full bf16": ["--mixed_precision", "bf16", "--full_bf16"],
@@ -147,22 +148,42 @@ def git_head(folder: Path) -> str:
     return result.stdout.strip() or "48d368fa (git archive, no .git)"
 
 
+def _harness_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the upstream harness paths not given from ``--peer_dir``; say which are missing when it is not given."""
+    defaults = {"model": ("model", "sd15-random"), "tokenizer_cache_dir": ("model", "tokenizer_cache"),
+                "data": ("data",), "upstream_dir": ("sd-scripts",), "upstream_python": ("venv", "bin", "python")}
+    for name, parts in defaults.items():
+        if getattr(args, name) is None and args.peer_dir is not None:
+            setattr(args, name, args.peer_dir.joinpath(*parts))
+    if args.upstream_pythonpath is None and args.peer_dir is not None:
+        args.upstream_pythonpath = f"{args.peer_dir / 'shim'}:."
+    missing = [f"--{name}" for name in (*defaults, "upstream_pythonpath") if getattr(args, name) is None]
+    if missing:
+        parser.error(f"{', '.join(missing)}: give them, or --peer_dir (or PEER_DIR) of the upstream harness that "
+                     "shared/upstream/setup.sh builds")
+    args.upstream_python = str(args.upstream_python)
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--child"]:
         return child(sys.argv[2], sys.argv[3:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peer_dir", type=Path, default=os.environ.get("PEER_DIR"),
+                        help="the upstream harness that shared/upstream/setup.sh builds (default: $PEER_DIR); the "
+                        "defaults of --model, --tokenizer_cache_dir, --data and --upstream_* are inside it")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="steps not timed at the start of each run")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the table gives medians)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument("--only", choices=sorted(PRECISIONS), nargs="+", default=sorted(PRECISIONS))
-    parser.add_argument("--model", type=Path, default=PEER / "model" / "sd15-random")
-    parser.add_argument("--tokenizer_cache_dir", type=Path, default=PEER / "model" / "tokenizer_cache")
-    parser.add_argument("--data", type=Path, default=PEER / "data", help="a kohya image folder (N_name/ inside)")
-    parser.add_argument("--upstream_dir", type=Path, default=PEER / "sd-scripts")
-    parser.add_argument("--upstream_python", default=str(PEER / "venv" / "bin" / "python"))
-    parser.add_argument("--upstream_pythonpath", default=f"{PEER / 'shim'}:.",
-                        help="PYTHONPATH of the upstream runs (the peer harness's torchvision shim and its folder)")
+    parser.add_argument("--model", type=Path, help="default: PEER_DIR/model/sd15-random")
+    parser.add_argument("--tokenizer_cache_dir", type=Path, help="default: PEER_DIR/model/tokenizer_cache")
+    parser.add_argument("--data", type=Path, help="a kohya image folder (N_name/ inside); default: PEER_DIR/data")
+    parser.add_argument("--upstream_dir", type=Path, help="default: PEER_DIR/sd-scripts")
+    parser.add_argument("--upstream_python", help="default: PEER_DIR/venv/bin/python")
+    parser.add_argument("--upstream_pythonpath",
+                        help="PYTHONPATH of the upstream runs (the peer harness's torchvision shim and its folder); "
+                        "default: PEER_DIR/shim:.")
     parser.add_argument("--profile", type=Path, default=None,
                         help="write each run's torch.profiler table (self CPU time per op) of the first step after "
                         "--warmup to PROFILE/<run>.txt; the profiled step is left out of the timings")
@@ -170,6 +191,7 @@ def main() -> int:
     parser.add_argument("--note", default="", help="a line added under the table (e.g. what changed)")
     parser.add_argument("--out", type=Path, default=RESULTS / f"{STEM}.md")
     args = parser.parse_args()
+    _harness_defaults(parser, args)
     if args.steps < args.warmup + 2 + bool(args.profile):
         parser.error("--steps must leave at least two timed steps after --warmup (and the profiled one)")
     if args.profile and args.warmup < 1:
@@ -250,7 +272,7 @@ def main() -> int:
         table,
         args.note,
     ]))
-    publish(report, args.out)
+    publish(report, args.out, {str(args.peer_dir): "$PEER_DIR"} if args.peer_dir else None)
     return 0
 
 

@@ -7,8 +7,8 @@ openai/clip-vit-large-patch14 (SD1.x) and of SD2's OpenCLIP-H tokenizer (which p
 
 Run from the repository root::
 
-    pip download --no-deps open-clip-torch==3.3.0 -d /tmp/oc
-    python -m library.assets.make_clip_tokenizer /tmp/oc/open_clip_torch-3.3.0-py3-none-any.whl
+    pip download --no-deps open-clip-torch==3.3.0 -d oc
+    python -m library.assets.make_clip_tokenizer oc/open_clip_torch-3.3.0-py3-none-any.whl
 
 It rewrites ``library/assets/clip_tokenizer/`` (SD1.x, pad = ``<|endoftext|>``); SD2.x uses the same files with
 ``pad_token="!"`` passed at load time (``library.families.sd.parts.load_tokenizer``).
