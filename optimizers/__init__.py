@@ -23,7 +23,6 @@ import torch
 from torch.optim import Optimizer
 
 from optimizers import tables
-from optimizers.accumulate import StochasticAccumulator
 from optimizers.adamw import StochasticAdamW
 from optimizers.compass import Compass
 from optimizers.factories import (
@@ -40,6 +39,7 @@ from optimizers.options import parse_optimizer_args, resolve_options
 from optimizers.rounding import add_stochastic_, copy_stochastic_, stochastic_round
 from optimizers.sparkles import SPARKLES
 from optimizers.spec import OptimizerConfigError, OptimizerSpec
+from optimizers.stochastic_accumulator import StochasticAccumulator
 from optimizers.wrapper import StochasticRoundingWrapper
 
 AdamW = StochasticAdamW

@@ -3,7 +3,7 @@
 * ``plain``: autograd adds into ``.grad`` in the parameter's dtype. Exact for fp32 LoRA weights; for
   bf16 weights every addition rounds to nearest, losing small contributions.
 * ``stochastic`` (default under ``--full_bf16`` with accumulation > 1): Torchastic's
-  ``StochasticAccumulator`` (``optimizers/accumulate.py``, its seeded form): the running sum is bf16
+  ``StochasticAccumulator`` (``optimizers/stochastic_accumulator.py``, its seeded form): the running sum is bf16
   (2 bytes/param) and each addition is stochastically rounded, so it is unbiased. Chosen as the default
   because it keeps the memory advantage of full bf16. Its rounding bits are seeded from the run's seed;
   ``state_dict`` / ``load_state_dict`` carry that random state through ``--save_state`` / ``--resume``.
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from optimizers.accumulate import SeededStochasticAccumulator
+from optimizers.stochastic_accumulator import SeededStochasticAccumulator
 
 
 @dataclass

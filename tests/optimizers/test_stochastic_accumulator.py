@@ -100,7 +100,7 @@ def _window(accumulator, model, size, scale) -> torch.Tensor:
 
 
 def test_seeded_accumulator_is_unbiased_and_ignores_the_global_generator() -> None:
-    from optimizers.accumulate import SeededStochasticAccumulator
+    from optimizers.stochastic_accumulator import SeededStochasticAccumulator
 
     size = 20_000
     model = Scaled(size)
@@ -119,7 +119,7 @@ def test_seeded_accumulator_is_unbiased_and_ignores_the_global_generator() -> No
 
 
 def test_seeded_accumulator_state_resumes_the_same_rounding() -> None:
-    from optimizers.accumulate import SeededStochasticAccumulator
+    from optimizers.stochastic_accumulator import SeededStochasticAccumulator
 
     size = 4096
     model, resumed_model = Scaled(size), Scaled(size)
