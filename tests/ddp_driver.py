@@ -5,8 +5,10 @@
 
 ``PLAN.json`` lists runs ``{"name", "args", "inject"}`` (``"family": "sdxl"``: ``sdxl_train_network.py``). For each
 run every process writes ``OUT/<name>/rank<r>.json`` (exit code, the lines it printed on stderr, which updates were
-applied) and ``rank<r>.safetensors`` (its network's weights at the end). One process group (made here, adopted by
-``library/runtime/processes.py``) serves all runs.
+applied) and ``rank<r>.safetensors`` (its network's weights at the end; the JSON is written last, so a run that has
+both is complete) and logs how long the run took. One process group (made here, adopted by
+``library/runtime/processes.py``) serves all runs of the plan; ``test_distributed_training.py`` splits its runs into a
+few plans, one launch each, each with its own time limit (``tests/launching.py``).
 
 Injections (``inject``): ``{"rank": r, "calls": [i, ...], "what": "nan" | "user_error" | "sigterm"}`` makes the
 ``i``-th loss computation (0-based, counted per process and run) of process ``r`` return NaN, raise a UserError, or
@@ -27,6 +29,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -137,11 +140,12 @@ def run_one(args: list[str], inject: dict, out: Path, rank: int, family: str = "
         stack.enter_context(contextlib.redirect_stderr(stderr))
         code = train_network.main(args, family=family)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({"exit": code, "stderr": stderr.getvalue().splitlines(),
-                                                      "applied": recorder.applied, **record}))
     if recorder.network is not None:
         weights = {k: v.detach().cpu().contiguous() for k, v in recorder.network.state_dict().items()}
         save_file(weights, str(out / f"rank{rank}.safetensors"))
+    # written last: a run whose processes both wrote it is complete, even if its launch failed later
+    (out / f"rank{rank}.json").write_text(json.dumps({"exit": code, "stderr": stderr.getvalue().splitlines(),
+                                                      "applied": recorder.applied, **record}))
 
 
 def main() -> None:
@@ -151,8 +155,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.__stderr__)
     dist.init_process_group("gloo")
     plan, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
-    for item in plan:
+    for number, item in enumerate(plan, 1):
+        started = time.monotonic()
         run_one(item["args"], item.get("inject", {}), out / item["name"], dist.get_rank(), item.get("family", "sd"))
+        print(f"ddp_driver: process {dist.get_rank()}: run {number} of {len(plan)} ({item['name']}) took "
+              f"{time.monotonic() - started:.1f} s", file=sys.__stderr__, flush=True)  # not the trainer's logging
     dist.destroy_process_group()
 
 

@@ -1,8 +1,10 @@
 """The real trainer on 2 processes (torchrun, gloo, CPU) and on 2 "machines" of 2 processes each (localhost).
 
-One launch of ``tests/ddp_driver.py`` runs every 2-process case in turn (see its docstring for the injections); each
-process records its exit code, what it printed and its network's weights. Every launch has a timeout, so a hang
-fails the test instead of blocking the suite.
+A few launches of ``tests/ddp_driver.py`` (``LAUNCHES``) run the 2-process cases in turn (see its docstring for the
+injections); each process records its exit code, what it printed and its network's weights. Every launch has a time
+limit that scales with the runs it holds (``tests/launching.py``: ``SD_TEST_LAUNCH_BUDGET_S`` per start and per run),
+so a hang fails the tests instead of blocking the suite while a busy machine only slows them; a failed launch fails
+the tests of the runs it did not complete, not the others.
 
 The equivalence case: 2 images, 1 repeat, no augmentation. In one process with batch 2 an epoch is one batch holding
 both images; in one process with batch 1 and 2 accumulation steps it is two batches of one image, summed into one
@@ -20,7 +22,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import train_network
-from tests import ddp_driver
-from tests.library.test_distributed import LAUNCH_TIMEOUT, ROOT, launch_env, torchrun
+from tests import ddp_driver, launching
+from tests.library.test_distributed import ROOT, launch_env, torchrun
 from tests.test_train_network import SAMPLES, train_args
 
 FULL_BF16 = ("--mixed_precision", "bf16", "--full_bf16")
@@ -105,22 +106,51 @@ def plan(root: Path, two: Path) -> list[dict]:
             + [{"name": name, "args": args, "inject": inject, "family": "sdxl"} for name, args, inject in sdxl_runs])
 
 
+# The runs of each launch of ddp_driver.py, in order (a resumed run after the one it resumes, in the same launch). Each
+# launch has its own time limit, so a slow run can use up only its own launch's budget; a few launches, not one per
+# run, as each start costs about 7 s on 2 cores.
+LAUNCHES = {
+    "equivalence_and_errors": ("equivalence", "sdxl_equivalence", "nan_skip", "nan_stop", "user_error", "bad_input",
+                               "fused"),
+    "resuming": ("fp32", "fp32_interrupted", "fp32_resumed", "bf16", "bf16_resumed"),
+    "caches_syncs_samples": ("disk_cache", "syncs", "sample_validate", "sdxl_cached"),
+}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     two = two_images(root)
-    plan_file = root / "plan.json"
-    plan_file.write_text(json.dumps(plan(root, two)))
-    done = subprocess.run(torchrun(str(ROOT / "tests" / "ddp_driver.py"), str(plan_file), str(root / "recorded")),
-                          env=launch_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    return {"root": root, "two": two, "out": root / "runs", "recorded": root / "recorded",
-            "log": done.stdout + done.stderr}
+    items = {item["name"]: item for item in plan(root, two)}
+    assert sorted(items) == sorted(name for names in LAUNCHES.values() for name in names), "LAUNCHES != plan"
+    recorded_dir, logs, failed = root / "recorded", [], {}
+    for group, names in LAUNCHES.items():
+        plan_file = root / f"plan-{group}.json"
+        plan_file.write_text(json.dumps([items[name] for name in names]))
+        done = launching.launch([torchrun(str(ROOT / "tests" / "ddp_driver.py"), str(plan_file), str(recorded_dir))],
+                                launch_env(), names, f"the launch {group!r} of tests/ddp_driver.py")
+        logs.append(done.output)
+        complete = [n for n in names if all((recorded_dir / n / f"rank{r}.json").is_file() for r in range(2))]
+        rest = [name for name in names if name not in complete]
+        problem = done.problem(note=f"runs complete: {', '.join(complete) or 'none'}; running when it ended: "
+                                    f"{', '.join(rest[:1]) or 'none'}; not started: {', '.join(rest[1:]) or 'none'}")
+        if problem is not None:
+            failed.update(dict.fromkeys(rest, problem))
+    return {"root": root, "two": two, "out": root / "runs", "recorded": recorded_dir, "log": "".join(logs),
+            "failed": failed}
+
+
+def output(runs, name: str) -> Path:
+    """The run's output folder; if its launch ended before the run was complete, the test fails with why."""
+    if name in runs["failed"]:
+        pytest.fail(f"run {name!r} is incomplete: {runs['failed'][name]}", pytrace=False)
+    return runs["out"] / name
 
 
 def recorded(runs, name: str) -> list[dict]:
     """Per process: exit code, applied updates, and the lines ``train_network.main`` printed for the user (errors,
     interruptions; not the log)."""
+    output(runs, name)
     records = [json.loads((runs["recorded"] / name / f"rank{r}.json").read_text()) for r in range(2)]
     for record in records:
         record["stderr"] = [line for line in record["stderr"] if line.startswith(("error", "interrupted"))]
@@ -128,11 +158,12 @@ def recorded(runs, name: str) -> list[dict]:
 
 
 def replicas(runs, name: str) -> list[dict[str, torch.Tensor]]:
+    output(runs, name)
     return [load_file(runs["recorded"] / name / f"rank{r}.safetensors") for r in range(2)]
 
 
 def test_two_processes_of_one_image_equal_one_process_of_two(runs, tmp_path):
-    ours = runs["out"] / "equivalence"
+    ours = output(runs, "equivalence")
     accumulating, batch_of_two = tmp_path / "accumulating", tmp_path / "batch_of_two"
     with ddp_driver.patched({"noise_by_image": True, "losses_per_epoch": 2}, ddp_driver.Recorder()):
         assert train_network.main(train_args(accumulating, *EQUIVALENCE, "--train_batch_size", "1",
@@ -163,8 +194,8 @@ def test_every_process_ends_with_bit_identical_weights(runs, name):
 
 @pytest.mark.parametrize("whole,resumed", [("fp32", "fp32_resumed"), ("bf16", "bf16_resumed")])
 def test_resumed_on_two_processes_equals_uninterrupted(runs, whole, resumed):
-    a = load_file(runs["out"] / whole / "lora.safetensors")
-    b = load_file(runs["out"] / resumed / "lora.safetensors")
+    a = load_file(output(runs, whole) / "lora.safetensors")
+    b = load_file(output(runs, resumed) / "lora.safetensors")
     assert not [k for k in a if not torch.equal(a[k], b[k])]
 
 
@@ -202,7 +233,7 @@ def test_a_user_error_on_one_process_exits_2_everywhere_printed_once(runs):
 
 
 def test_only_the_main_process_writes_and_metadata_counts_its_share(runs):
-    folder = runs["out"] / "fp32"
+    folder = output(runs, "fp32")
     assert sorted(p.name for p in folder.iterdir()) == [
         "lora-state", "lora-step00000002-state", "lora-step00000002.safetensors", "lora-step00000004-state",
         "lora-step00000004.safetensors", "lora.safetensors"]
@@ -225,14 +256,12 @@ def test_two_machines_of_two_processes_train_and_write_once(tmp_path):
     out = tmp_path / "out"
     port = str(free_port())
     command = [*train_args(out, "--max_train_steps", "2", "--train_batch_size", "1")]
-    nodes = [subprocess.Popen(torchrun(str(ROOT / "train_network.py"), *command, extra=(
-        "--nnodes", "2", "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", port)),
-        env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=LAUNCH_TIMEOUT)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
+    done = launching.launch([torchrun(str(ROOT / "train_network.py"), *command, extra=(
+        "--nnodes", "2", "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", port))
+        for rank in (0, 1)], launch_env(), ["two machines, 2 steps"], "the 2 machines' torchruns")
+    if done.timed_out:
+        pytest.fail(done.problem(tail=3000), pytrace=False)
+    nodes, outputs = done.processes, done.outputs
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     assert sum(o.count("saved ") for o in outputs) == 1
     assert "4 processes on 2 machine(s)" in outputs[0]
@@ -266,13 +295,13 @@ def test_the_disk_latent_cache_is_shared_out_between_the_processes(runs):
 
 def test_sdxl_two_processes_of_one_image_equal_one_process_accumulating_two(runs, tmp_path):
     """sdxl_train_network.py under torchrun behaves as train_network.py (the equivalence case above)."""
-    accumulating = tmp_path / "accumulating"
+    ours, accumulating = output(runs, "sdxl_equivalence"), tmp_path / "accumulating"
     with ddp_driver.patched({"noise_by_image": True, "losses_per_epoch": 2}, ddp_driver.Recorder()):
         assert train_network.main(sdxl(train_args(accumulating, *EQUIVALENCE, "--train_batch_size", "1",
                                                   "--gradient_accumulation_steps", "2", data=runs["two"])),
                                   family="sdxl") == 0
     for step in ("lora-step00000001", "lora-step00000002", "lora"):
-        a = load_file(runs["out"] / "sdxl_equivalence" / f"{step}.safetensors")
+        a = load_file(ours / f"{step}.safetensors")
         b = load_file(accumulating / f"{step}.safetensors")
         assert a.keys() == b.keys() and not [k for k in a if not torch.equal(a[k], b[k])], step
     assert any(k.startswith("lora_unet_input_blocks_") for k in a)

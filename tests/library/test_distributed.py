@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,9 +16,9 @@ from torch.utils.data import BatchSampler
 
 from library.base.errors import UserError
 from library.runtime import processes
+from tests import launching
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCH_TIMEOUT = 180  # seconds: a hang fails the test instead of blocking the suite
 
 
 def torchrun(*args: str, nproc: int = 2, extra: tuple[str, ...] = ("--standalone",)) -> list[str]:
@@ -81,9 +80,12 @@ def test_a_single_process_starts_nothing():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
-    done = subprocess.run(torchrun(str(ROOT / "tests" / "library" / "distributed_checks.py"), str(out)),
-                          env=launch_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # all the checks together count as one run of the limit (tests/launching.py): they take less than one training run
+    done = launching.launch([torchrun(str(ROOT / "tests" / "library" / "distributed_checks.py"), str(out))],
+                            launch_env(), ["every check of distributed_checks.py"],
+                            "the launch of tests/library/distributed_checks.py")
+    problem = done.problem(tail=3000)
+    assert problem is None, problem
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
