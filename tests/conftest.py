@@ -8,3 +8,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_dir(tmp_path_factory):
+    from library.tiny_model import write_tiny_sdxl
+
+    out = tmp_path_factory.mktemp("tiny-sdxl")
+    write_tiny_sdxl(out)
+    return out

@@ -1,5 +1,5 @@
-"""The time limit of the tests' torchrun launches (``tests/library/test_distributed.py``,
-``tests/test_distributed_training.py``).
+"""The time limit of the tests' torchrun launches (``tests/unit/runtime/test_processes.py``,
+``tests/e2e/test_distributed_training.py``).
 
 A launch's limit is there only to stop a hung process group; it measures nothing. So it scales with what the launch
 holds: ``SD_TEST_LAUNCH_BUDGET_S`` seconds (default 300) for each torchrun it starts and as much again for each run it
@@ -14,11 +14,29 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(*args: str, nproc: int = 2, extra: tuple[str, ...] = ("--standalone",)) -> list[str]:
+    """The command that starts ``nproc`` processes of a script with torch's launcher (torchrun)."""
+    return [sys.executable, "-m", "torch.distributed.run", *extra, "--nproc_per_node", str(nproc), *args]
+
+
+def launch_env() -> dict[str, str]:
+    """The environment of a launch: this checkout on the path, one thread, offline, no GPU, no inherited rank."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
 
 BUDGET_VARIABLE = "SD_TEST_LAUNCH_BUDGET_S"
 DEFAULT_BUDGET_S = 300.0
