@@ -8,7 +8,7 @@
    median of ``--repeats`` runs. Each of the 2 processes does the work of the single one, so the difference is what the
    processes cost: the reduction, the sync points and the sharing of the cores' caches and memory bandwidth.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/processes.py --runs 20 --steps 20 --repeats 3
+    OMP_NUM_THREADS=1 .venv/bin/python bench/distributed.py --runs 20 --steps 20 --repeats 3
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def reduction_worker(runs: int, out: Path) -> None:
     import torch.distributed as dist
 
     from library.config.distributed import DistributedConfig
-    from library.runtime import processes
+    from library.runtime import processes as process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    processes = processes.start(DistributedConfig())
+    processes = process_group.start(DistributedConfig())
     generator = torch.Generator().manual_seed(dist.get_rank())
     rows = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -142,7 +142,7 @@ def main() -> int:
     print(f"| 2 | {s2:.3f} | {(s2 - s1) * 1000:+.0f} ms ({(s2 / s1 - 1) * 100:+.0f} %) |")
     print(f"\nruns: 1 process {', '.join(f'{v:.3f}' for v in single)}; 2 processes "
           f"{', '.join(f'{v:.3f}' for v in double)}")
-    print(f"\n{reproduce_command('processes.py')}")
+    print(f"\n{reproduce_command('distributed.py')}")
     return 0
 
 

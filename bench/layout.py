@@ -1,6 +1,6 @@
 """Figures of the code's layout: modules per folder, the longest functions and files, module-level import cycles.
 
-    python -m bench.layout            # the table (``tests/test_layout.py`` checks the rules on the same graph)
+    python -m bench.layout            # the table (``tests/unit/test_layout.py`` checks the rules on the same graph)
 
 The import graph is read from the source with ``ast``: an edge for every ``import`` and ``from … import`` of
 ``library``, ``networks`` or ``optimizers``; a ``from pkg import name`` points at ``pkg`` (whose ``__init__`` runs
@@ -104,7 +104,8 @@ def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(cycles)
 
 
-def _lengths() -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+def lengths() -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """(lines, where) of every function and of every file, longest first."""
     functions, files = [], []
     for path in modules().values():
         text = path.read_text()
@@ -121,7 +122,7 @@ def main() -> None:
     print("| folder | modules |\n|---|---|")
     for folder, count in sorted(per_folder.items()):
         print(f"| {folder}/ | {count} |")
-    functions, files = _lengths()
+    functions, files = lengths()
     print("\nlongest functions:", *(f"  {n} lines  {where}" for n, where in functions[:5]), sep="\n")
     print("longest files:", *(f"  {n} lines  {where}" for n, where in files[:5]), sep="\n")
     cycles = module_cycles(import_graph(top_level_only=True))

@@ -2,9 +2,8 @@
 
 Model: ``builtin:sdxl-random`` (the real SDXL 1.0 architecture with random weights, made directly in the frozen
 weight dtype); for upstream the same weights as an SGM single file (``library.families.sdxl.single_file``, bf16, made
-once in
-``--work``). LoRA rank 16 alpha 8 on the U-Net (``--network_train_unet_only`` in every row, so that cached and live
-text encoder outputs do the same work), batch 1, latents cached, the 8 sample images resized to ``--resolution``.
+once in ``--work``). LoRA rank 16 alpha 8 on the U-Net (``--network_train_unet_only`` in every row, so that cached and
+live text encoder outputs do the same work), batch 1, latents cached, the 8 sample images resized to ``--resolution``.
 Rows: fp32 + AdamW, mixed bf16 + AdamW, full bf16 + StochasticAdamW, each with and without
 ``--gradient_checkpointing`` and ``--cache_text_encoder_outputs`` (``--only`` picks some); ``--sdpa`` for both
 (upstream's own U-Net otherwise uses its plain attention; ours uses SDPA always).

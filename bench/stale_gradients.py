@@ -2,15 +2,14 @@
 
 A fixed LoRA fine-tuning task on the tiny SD1.5-shaped model (``builtin:tiny-sd15``): the 8 images of
 ``configs/sample_data/10_shapes`` centre-cropped to 64 px, encoded once by the tiny VAE (8x8 latents, cached), U-Net
-LoRA only (rank 8, alpha 8, all 192 modules), every step one batch of all 8 latents with fresh noise and timesteps
-from ``library.train.batch_loss.BatchLoss`` (eps-prediction MSE), gradient clipping at 1.0, constant LR after a linear
-warm-up,
-weight decay 0. The frozen model and the loss stay fp32 in every run; only the LoRA weights (hence their gradients
-and the optimizer state) are bf16 in the bf16 runs, so the differences come from storing the trained weights in bf16.
-Runs: fp32 ``torch.optim.AdamW`` (the reference), bf16 ``torch.optim.AdamW`` (round-to-nearest write-back), and the
-project's ``StochasticAdamW``, ``Compass`` and ``SPARKLES`` on bf16 weights (stochastic rounding), each with their
-default options, all built by ``optimizers.build_optimizer``. One seed fixes the LoRA initialisation and the noise, so
-all optimizers of a seed see identical noise and timesteps.
+LoRA only (rank 8, alpha 8, all 192 modules), every step one batch of all 8 latents with fresh noise and timesteps from
+``library.train.batch_loss.BatchLoss`` (eps-prediction MSE), gradient clipping at 1.0, constant LR after a linear
+warm-up, weight decay 0. The frozen model and the loss stay fp32 in every run; only the LoRA weights (hence their
+gradients and the optimizer state) are bf16 in the bf16 runs, so the differences come from storing the trained weights
+in bf16. Runs: fp32 ``torch.optim.AdamW`` (the reference), bf16 ``torch.optim.AdamW`` (round-to-nearest write-back),
+and the project's ``StochasticAdamW``, ``Compass`` and ``SPARKLES`` on bf16 weights (stochastic rounding), each with
+their default options, all built by ``optimizers.build_optimizer``. One seed fixes the LoRA initialisation and the
+noise, so all optimizers of a seed see identical noise and timesteps.
 
 Intended update: before every step the weights, gradients and a deep copy of the optimizer state are copied to fp32
 into a twin optimizer of the same kind, which takes the same step with an exact fp32 write-back; ``u`` = its new

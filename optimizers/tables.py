@@ -1,9 +1,9 @@
 """Accepted options and their defaults for each optimizer family (library spellings; OPTIMIZERS.md §2, §7.1, §9).
 
 Checked against torch 2.13, bitsandbytes 0.50.2, dadaptation 3.2, prodigyopt 1.1.2, transformers 5.24 and
-lion-pytorch 0.2.5 (tests/optimizers/test_registry.py compares them with the installed constructors). Keys only the
-project adds: ``stochastic_rounding``/``seed`` (every entry), ``eps2`` (Adafactor), ``compiled`` (StochasticAdamW,
-Compass, SPARKLES).
+lion-pytorch 0.2.5 (tests/unit/optimizers/test_registry.py compares them with the installed constructors). Keys
+only the project adds: ``stochastic_rounding``/``seed`` (every entry), ``eps2`` (Adafactor), ``compiled``
+(StochasticAdamW, Compass, SPARKLES).
 """
 
 from __future__ import annotations

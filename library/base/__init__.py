@@ -1,2 +1,1 @@
-"""Base modules every layer may import (errors, atomic files); they import no other package of library/ nor
-networks/."""
+"""Base modules every layer may import (errors, atomic files); they import nothing else of ours."""

@@ -8,8 +8,7 @@ with a warning. The file is removed when the run ends, also on an error or an in
 
 Cleanup, right after the lock is taken (so never under another run's feet): the temporaries of
 ``library/base/files.py`` that belong to this output name are removed, and a state folder that an interruption left
-only
-under its ``.old-`` name (between the two renames of a replacement) is put back.
+only under its ``.old-`` name (between the two renames of a replacement) is put back.
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 
 Each image: the LoRA at its current weights and multiplier, the model family's text conditioning and diffusers
 pipeline (``library/families/registry.py``: for SD 1.x/2.x ``library/sampling/conditioning.py``, prompt weights, up to
-225
-tokens, ``--clip_skip``, and ``StableDiffusionPipeline``; for SDXL sd-scripts' SDXL sample conditioning and
+225 tokens, ``--clip_skip``, and ``StableDiffusionPipeline``; for SDXL sd-scripts' SDXL sample conditioning and
 ``StableDiffusionXLPipeline``) built from the loaded UNet, VAE, text encoders and tokenizers with the prompt's
 scheduler (``library/sampling/schedulers.py``), the text encoders and UNet under the precision policy's autocast, and
-the
-VAE decoding outside it in the VAE's dtype. The VAE is moved to the training device for the images and back
+the VAE decoding outside it in the VAE's dtype. The VAE is moved to the training device for the images and back
 afterwards (``--cache_latents`` keeps it on the CPU). Files: ``<output_dir>/sample/<output_name>_<n>_<NN>_
 <YYYYmmddHHMMSS>[_<seed>].png`` with ``n`` = ``e`` + the 6-digit epoch after an epoch (``e000000`` for the images
 at first) or the 6-digit step after an update, ``NN`` the prompt's 2-digit index; each image is also logged to the

@@ -101,7 +101,7 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def write_state(folder: Path, objects: dict[str, Any], train_state: dict[str, Any]) -> None:
-    """Write (or replace) a state folder; see ``library/files.replace_folder`` for the atomicity."""
+    """Write (or replace) a state folder; see ``library/base/files.replace_folder`` for the atomicity."""
     from safetensors.torch import save
 
     tree, tensors = encode(objects)

@@ -1,8 +1,7 @@
 """The ``adafactor`` LR schedule kohya forces for Adafactor in relative-step mode.
 
 It reports the relative step size that ``library.train.effective_lr`` computes. This module imports transformers;
-import it only
-when Adafactor is used.
+import it only when Adafactor is used.
 """
 
 from __future__ import annotations

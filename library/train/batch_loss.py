@@ -8,9 +8,8 @@ Follows sd-scripts' ``NetworkTrainer.process_batch`` for SD1.x/2.x: latents are 
 × scaling factor (0.18215), NaN latents become 0 with a warning, the text encoder runs with gradients
 only when its LoRA is trained, the UNet runs under the precision policy's autocast, and the loss is
 computed in fp32 (``library/train/loss.py``). Nothing here waits for the device: noise, timesteps and the VAE sample
-come
-from ``generator`` (a CUDA generator on CUDA), ᾱ and the SNR table are put on the device once, batch tensors are
-moved without blocking (``library/readout.to_device``), and the NaN-latents warning is decided at the update's
+come from ``generator`` (a CUDA generator on CUDA), ᾱ and the SNR table are put on the device once, batch tensors are
+moved without blocking (``library/train/readout.to_device``), and the NaN-latents warning is decided at the update's
 host read (``Readout.defer``) instead of by an ``if`` on a device value. Pyramid noise picks its level sizes on the
 host, from ``host_generator`` (the same generator on the CPU).
 

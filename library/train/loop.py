@@ -3,8 +3,7 @@
 Everything it needs (precision, accumulation, rounding, saving cadence) is decided before the loop and
 handed in; the loop itself has no feature switches. It reads nothing from the device per micro-batch: the loss
 travels to the updater as a tensor, and the update's one host read (``library/train/update.py``) returns the numbers
-the
-progress bar and the trackers show. The arithmetic is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md
+the progress bar and the trackers show. The arithmetic is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md
 §4.2): an update every ``gradient_accumulation_steps`` micro-batches and at the end of each epoch,
 ``global_step`` counts updates, step saves happen at every multiple of ``--save_every_n_steps`` (the last step
 included), epoch saves after epochs other than the last, then the final save (``library/saving/lora_files.py``). With a

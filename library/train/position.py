@@ -1,8 +1,7 @@
 """Small types shared by the training loop and the writers: where training stands, the save and sample callbacks.
 
 Both ``library/train/loop.py`` (the loop) and ``library/saving/lora_files.py`` (the writers) import these; neither
-imports the
-other for them.
+imports the other for them.
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ Usage (cwd: the patched upstream tree, PYTHONPATH: this folder, python: one with
 
 1. The model: this project's ``build_builtin("builtin:sd15-random")`` (random init from the bundled SD1.5 config),
    written by ``library.families.sd.single_file.save_checkpoint`` as an fp16 single file in the original LDM layout,
-   which
-   upstream's ``load_models_from_stable_diffusion_checkpoint`` reads (SDXL: ``builtin:sdxl-random`` made in bf16 and
-   written by ``library.families.sdxl.single_file.save_sdxl_checkpoint`` in the SGM layout, which upstream's
+   which upstream's ``load_models_from_stable_diffusion_checkpoint`` reads (SDXL: ``builtin:sdxl-random`` made in bf16
+   and written by ``library.families.sdxl.single_file.save_sdxl_checkpoint`` in the SGM layout, which upstream's
    ``load_models_from_sdxl_checkpoint`` reads). This runs with the project's python
    (``SD_CHECK_PROJECT_PYTHON``, default ``.venv/bin/python`` of this checkout); ``SD_CHECK_E2E_MODEL=FILE`` reuses a
    file made that way instead (about 2 GB, 30 s to make).

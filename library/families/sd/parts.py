@@ -2,8 +2,7 @@
 sd-scripts' training noise scheduler, and building parts from a config folder.
 
 ``library/families/sd/loading.py`` (which form a path is, and loading it) and ``library/families/sd/single_file.py``
-(the original
-single-file layout) both build on these; neither imports the other for them.
+(the original single-file layout) both build on these; neither imports the other for them.
 
 The noise scheduler is built like sd-scripts' ``train_network.py`` builds it (DDPM, beta 0.00085 → 0.012,
 scaled_linear, 1000 steps, ``clip_sample=False``) whatever the checkpoint's own scheduler says; its

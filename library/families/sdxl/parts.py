@@ -1,8 +1,8 @@
 """The pieces every SDXL loader shares: the model bundle and building its parts from a bundled config folder.
 
 ``library/families/sdxl/loading.py`` (which form a path is, and loading it) and
-``library/families/sdxl/single_file.py`` (the SGM
-single-file layout) both build on these; neither imports the other for them.
+``library/families/sdxl/single_file.py`` (the SGM single-file layout) both build on these; neither imports the other
+for them.
 """
 
 from __future__ import annotations
