@@ -13,7 +13,7 @@ Only ``optimizer.step()`` is timed (gradients are fixed random tensors set befor
 steps (state allocation, any ``torch.compile``) are not counted. Every timed step alternates with a step of the
 reference ``torch.optim.AdamW`` (foreach, fp32, all gradients) on its own parameters, and "x ref" is the median ratio
 of the two step times: on a machine shared with other jobs the ratio is far steadier than the milliseconds. Ops and
-syncs are counted by a second run of the same steps plus one under ``tests/optimizers/counting.py`` (a
+syncs are counted by a second run of the same steps plus one under ``tests/unit/optimizers/counting.py`` (a
 ``TorchDispatchMode``; see there what counts as a sync), for that last step: they predict the kernel launches and
 host stalls of the same step on a GPU. "(N host)"
 are reads of host tensors (torch.optim's step counters), "(N up)" tensors made from Python data. State bytes are the
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine, reproduce_command  # noqa: E402
 from optimizers import REGISTRY, StochasticRoundingWrapper, build_optimizer  # noqa: E402
-from tests.optimizers.counting import Counting  # noqa: E402
+from tests.unit.optimizers.counting import Counting  # noqa: E402
 
 RANK = 16
 CROSS_ATTENTION_DIM = 768
