@@ -1,11 +1,21 @@
-"""Writing files and folders so that an interruption never leaves a half-written one under its final name.
+"""Writing files and folders so that an interruption never leaves a half-written one under its final name, and so
+that nothing is ever written through a link planted at a name the trainer writes.
 
-A file is written to ``<name>.tmp-<token>`` in the same folder, flushed to disk (``fsync``), then renamed over the
-final name (``os.replace`` is atomic). A folder cannot be renamed over a non-empty one, so it is written as
-``<name>.tmp-<token>``, the old one is renamed aside to ``<name>.old-<token>``, the new one renamed in, and only
-then is the old one deleted; a folder to delete is first renamed to ``<name>.del-<token>``. At every moment the
-final name is either absent, the complete old version or the complete new one; ``library/runtime/output.py`` cleans up
-or recovers what an interruption left, at the next start.
+A file is written to ``<name>.tmp-<token>`` in the same folder, created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (so a
+link or anything else already there makes the creation fail instead of being followed), flushed to disk
+(``fsync``), then renamed over the final name (``os.replace`` is atomic, and it replaces a symbolic or hard link at
+the final name instead of writing into what it points to). A folder cannot be renamed over a non-empty one, so it
+is written as ``<name>.tmp-<token>``, the old one is renamed aside to ``<name>.old-<token>``, the new one renamed in,
+and only then is the old one deleted; a folder to delete is first renamed to ``<name>.del-<token>``. A symbolic link
+found where a folder is replaced or deleted is removed as a link: what it points to is never touched (``shutil.rmtree``
+refuses links, so before this a link stayed behind under its ``.old-`` / ``.del-`` name). At every moment the final
+name is either absent, the complete old version or the complete new one; ``library/runtime/output.py`` cleans up or
+recovers what an interruption left, at the next start.
+
+Files that are written in place (the output lock, ``--console_log_file``) are opened by ``open_no_follow``: with
+``O_NOFOLLOW``, and refused (``UnsafePath``) when the name is a symbolic link or a regular file with other hard links,
+whose content would otherwise be overwritten. ``write_file_exclusive`` creates a file only where nothing is (not even
+a dangling link), atomically.
 
 Created files get the usual permissions (0666 less the umask, like ``open()``), not the 0600 of ``mkstemp`` or of
 ``safetensors.save_file``; folders 0777 less the umask.
@@ -13,14 +23,55 @@ Created files get the usual permissions (0666 less the umask, like ``open()``), 
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 TEMP_MARKERS = ("tmp", "old", "del")
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # Windows has none: links are looked for before opening there
+_BINARY = getattr(os, "O_BINARY", 0)
+
+
+class UnsafePath(OSError):
+    """``path`` is a symbolic link, or a regular file with other hard links: writing it would write elsewhere."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(errno.ELOOP, why, str(path))
+        self.path = path
+        self.why = why
+
+
+def link_description(path: Path) -> str:
+    """``is a symbolic link (to <target>)`` for messages."""
+    try:
+        return f"is a symbolic link (to {os.readlink(path)})"
+    except OSError:
+        return "is a symbolic link"
+
+
+def open_no_follow(path: Path, flags: int, mode: int = 0o666) -> int:
+    """``os.open`` that never follows a symbolic link at ``path`` and refuses a regular file with other hard links
+    (``UnsafePath``); give no ``O_TRUNC``: truncate the returned descriptor once it is known to be safe."""
+    path = Path(path)
+    if not NOFOLLOW and path.is_symlink():
+        raise UnsafePath(path, link_description(path))
+    try:
+        fd = os.open(path, flags | NOFOLLOW | _BINARY, mode)
+    except OSError:
+        if path.is_symlink():  # ELOOP on Linux and macOS, EMLINK on FreeBSD
+            raise UnsafePath(path, link_description(path)) from None
+        raise
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+        os.close(fd)
+        raise UnsafePath(path, f"has {info.st_nlink - 1} other hard link(s), so writing it would change another "
+                               "file")
+    return fd
 
 
 def temp_name(final: Path, marker: str = "tmp") -> Path:
@@ -43,8 +94,9 @@ def fsync_dir(folder: Path) -> None:
 
 
 def write_new_file(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Create ``path`` (it must not exist) with ``write(f)``, mode 0666 less the umask, and flush it to disk."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    """Create ``path`` (nothing, not even a link, may be there) with ``write(f)``, mode 0666 less the umask, and
+    flush it to disk."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | _BINARY, 0o666)
     with os.fdopen(fd, "wb") as f:
         write(f)
         f.flush()
@@ -52,7 +104,8 @@ def write_new_file(path: Path, write: Callable[[BinaryIO], None]) -> None:
 
 
 def write_file_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through a temporary sibling and a rename; on any error the old file stays as it was."""
+    """Write ``path`` through a temporary sibling and a rename; on any error the old file stays as it was. A link at
+    ``path`` is replaced by the new file, never written through."""
     path = Path(path)
     tmp = temp_name(path)
     try:
@@ -67,8 +120,39 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     write_file_atomic(path, lambda f: f.write(data))
 
 
+def write_file_exclusive(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Create ``path`` atomically, only where nothing is: ``FileExistsError`` when anything (a file, a folder, a link,
+    even a dangling one) has that name. Written to a temporary sibling, then hard-linked to ``path`` (a link never
+    replaces an existing name); where the file system has no hard links it is created in place with ``O_EXCL``."""
+    path = Path(path)
+    tmp = temp_name(path)
+    try:
+        write_new_file(tmp, write)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError:  # no hard links here (FAT, some network file systems)
+            write_new_file(path, write)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def remove_entry(path: Path) -> None:
+    """Delete a file, a link (never what it points to) or a folder tree; missing is fine, errors are ignored."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def replace_folder(final: Path, fill: Callable[[Path], None]) -> None:
-    """Make the folder ``final`` hold what ``fill(folder)`` writes into a fresh folder, replacing any old one."""
+    """Make the folder ``final`` hold what ``fill(folder)`` writes into a fresh folder, replacing any old one (a link
+    at ``final`` is replaced, and removed as a link)."""
     tmp = temp_name(final)
     tmp.mkdir()
     try:
@@ -78,23 +162,26 @@ def replace_folder(final: Path, fill: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     aside = None
-    if final.exists():
+    if os.path.lexists(final):
         aside = temp_name(final, "old")
         os.replace(final, aside)
     try:
         os.replace(tmp, final)
     except BaseException:
-        if aside is not None and not final.exists():
+        if aside is not None and not os.path.lexists(final):
             os.replace(aside, final)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(final.parent)
     if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+        remove_entry(aside)
 
 
 def remove_folder(folder: Path) -> None:
-    """Delete a folder so that it never exists half-deleted under its own name."""
+    """Delete a folder so that it never exists half-deleted under its own name; a link there is removed as a link."""
+    if folder.is_symlink():
+        folder.unlink(missing_ok=True)
+        return
     if not folder.is_dir():
         return
     doomed = temp_name(folder, "del")

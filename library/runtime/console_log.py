@@ -6,7 +6,9 @@ file (opened with mode "w", so each run starts it afresh) instead of the console
 plain text instead of rich: a line is ``LEVEL message`` on stderr, or just ``message`` on stdout with
 ``--console_log_simple``. Lines written to ``--console_log_file`` keep the level name unless
 ``--console_log_simple`` is given too (sd-scripts writes bare messages to the file). The trainer's final
-``error:`` lines and the progress bar stay on the console either way.
+``error:`` lines and the progress bar stay on the console either way. The log file is opened without following
+links (``library/base/files.open_no_follow``): a symbolic link at its name, or a file with other hard links, is
+refused (exit 2) instead of having what it points to emptied; a device or named pipe is written as before.
 
 Only the handler installed here is replaced when logging is set up again; other handlers on the root logger (a test
 harness's, an embedding program's) are left alone.
@@ -15,9 +17,13 @@ harness's, an embedding program's) are left alone.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import sys
+from pathlib import Path
 
 from library.base.errors import UserError
+from library.base.files import UnsafePath, open_no_follow
 from library.config import LogConfig
 
 DETAILED = "%(levelname)s %(message)s"
@@ -43,16 +49,29 @@ class _ConsoleHandler(logging.StreamHandler):
 _installed: logging.Handler | None = None
 
 
+def _file_handler(path: str) -> logging.FileHandler:
+    """A ``FileHandler`` on ``path`` emptied as mode "w" does, but opened without following a link."""
+    try:
+        fd = open_no_follow(Path(path), os.O_WRONLY | os.O_CREAT)
+    except UnsafePath as exc:
+        raise UserError(f"--console_log_file {path} {exc.why}; the log is never written through a link: remove it "
+                        "or give another path") from None
+    except OSError as exc:
+        raise UserError(f"--console_log_file {path}: cannot write it ({exc.strerror or exc}); "
+                        "give a path in an existing, writable folder") from None
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        os.ftruncate(fd, 0)
+    handler = logging.FileHandler(path, mode="w", encoding="utf-8", delay=True)
+    handler.stream = os.fdopen(fd, "w", encoding="utf-8")
+    return handler
+
+
 def setup_logging(cfg: LogConfig | None = None) -> None:
     """Install (or replace) the trainer's log handler on the root logger and set the root level."""
     global _installed
     cfg = cfg or LogConfig()
     if cfg.console_log_file:
-        try:
-            handler: logging.Handler = logging.FileHandler(cfg.console_log_file, mode="w", encoding="utf-8")
-        except OSError as exc:
-            raise UserError(f"--console_log_file {cfg.console_log_file}: cannot write it ({exc.strerror or exc}); "
-                            "give a path in an existing, writable folder") from None
+        handler: logging.Handler = _file_handler(cfg.console_log_file)
     else:
         handler = _ConsoleHandler("stdout" if cfg.console_log_simple else "stderr")
     handler.setFormatter(logging.Formatter(SIMPLE if cfg.console_log_simple else DETAILED))

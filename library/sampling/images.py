@@ -9,7 +9,10 @@ the VAE decoding outside it in the VAE's dtype. The VAE is moved to the training
 afterwards (``--cache_latents`` keeps it on the CPU). Files: ``<output_dir>/sample/<output_name>_<n>_<NN>_
 <YYYYmmddHHMMSS>[_<seed>].png`` with ``n`` = ``e`` + the 6-digit epoch after an epoch (``e000000`` for the images
 at first) or the 6-digit step after an update, ``NN`` the prompt's 2-digit index; each image is also logged to the
-trackers as ``sample_<index>``.
+trackers as ``sample_<index>``. Each PNG is written through a temporary file and a rename
+(``library/base/files.write_file_atomic``): a link at its name is replaced, never written through; a symbolic link
+at ``<output_dir>/sample`` stops the run (exit 2) naming it (``library/runtime/output.py`` refuses it before
+anything loads, and each round of images checks again).
 
 Training is not changed by sampling: the network, UNet and text encoder are put in eval mode (no LoRA dropout)
 and their modes restored afterwards, and all noise comes from a generator per image, seeded from ``--d`` (else
@@ -28,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from library.base.errors import UserError
+from library.base.files import link_description, write_file_atomic
 from library.families.base import ModelFamily
 from library.families.precision import PrecisionPolicy
 from library.families.sd.family import SDFamily
@@ -38,6 +43,8 @@ from library.train.position import Position, SampleHooks
 from library.train.tracking import Tracker
 
 log = logging.getLogger(__name__)
+
+SAMPLE_FOLDER = "sample"  # in --output_dir, as sd-scripts
 
 
 def sample_file_name(output_name: str | None, epoch: int | None, step: int, index: int, seed: int | None,
@@ -84,6 +91,13 @@ class SampleImages:
         self.clip_skip = clip_skip
         self._pipe = None
 
+    def _make_folder(self) -> None:
+        """Create the sample folder; a symbolic link there (planted after the start's check) is a ``UserError``."""
+        if self.folder.is_symlink():
+            raise UserError(f"{self.folder} {link_description(self.folder)}; sample images are never written through "
+                            "a link: remove it, or choose another --output_dir")
+        self.folder.mkdir(parents=True, exist_ok=True)
+
     def _pipeline(self):
         if self._pipe is None:
             unet = getattr(self.model.unet, "_orig_mod", self.model.unet)
@@ -128,7 +142,7 @@ class SampleImages:
     def __call__(self, pos: Position, epoch: int | None) -> None:
         began = time.perf_counter()
         where = f"epoch {epoch}" if epoch is not None else f"step {pos.step}"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self._make_folder()
         logged = {}
         with self._inference():
             for prompt in self.plan.prompts:
@@ -139,7 +153,7 @@ class SampleImages:
                     generator.seed()
                 image = self.draw(prompt, generator)
                 name = sample_file_name(self.output_name, epoch, pos.step, prompt.index, prompt.seed, time.time())
-                image.save(self.folder / name)
+                write_file_atomic(self.folder / name, lambda f, image=image: image.save(f, format="PNG"))
                 logged[f"sample_{prompt.index}"] = (image, prompt.prompt)
                 log.info("sample %02d: %dx%d, %d steps, %s, CFG %g, seed %d%s: %s", prompt.index, *image.size,
                          prompt.steps, prompt.sampler or self.plan.sampler, prompt.scale, generator.initial_seed(),
@@ -157,6 +171,6 @@ def make_sample_hooks(plan: SamplePlan | None, model: SDModel, network: torch.nn
     """The loop's sample hooks; with no plan they never fire and nothing is built."""
     if plan is None:
         return SampleHooks(None, None, False, lambda pos, epoch: None)
-    images = SampleImages(plan, model, network, policy, device, output_dir / "sample", output_name, tracker, clip_skip,
-                          family, max_token_length)
+    images = SampleImages(plan, model, network, policy, device, output_dir / SAMPLE_FOLDER, output_name, tracker,
+                          clip_skip, family, max_token_length)
     return SampleHooks(plan.every_n_steps, plan.every_n_epochs, plan.at_first, images)

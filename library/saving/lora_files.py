@@ -11,6 +11,10 @@ too); an epoch save after epoch e (1-based) when ``e % n == 0`` and e is not the
 final file at the end. A state is written beside every save with ``--save_state``, and at the end with
 ``--save_state`` or ``--save_state_on_train_end``.
 
+Names shared across runs: ``--output_name a`` saves ``a-000001`` after epoch 1, the final name of ``--output_name
+a-000001``; ``OutputNames.shares_names_with`` finds such a shared name, and ``library/runtime/output.py`` refuses to
+start while a run holding the lock of such a name writes into the same folder.
+
 A state is a folder (``library/saving/state_file.py``: safetensors and JSON, no pickle); files and folders are replaced
 atomically (``library/base/files.py``), so an interruption leaves the previous save intact.
 
@@ -72,6 +76,31 @@ class OutputNames:
         pattern = (rf"(?:{'|'.join(re.escape(s) for s in stems)})(?:-\d{{6}}|-step\d{{8}})?"
                    rf"(?:-state|\.(?:{'|'.join(SAVE_FORMATS)}))")
         return re.fullmatch(pattern, file_name) is not None
+
+    def may_save(self, stem: str) -> bool:
+        """Whether this run can write a LoRA file or state folder with the stem ``stem`` (``epoch``/``step``/``last``
+        of any number)."""
+        epoch_base, step_base = (self.output_name,) * 2 if self.output_name else ("epoch", "at")
+        pattern = rf"{re.escape(self.last)}|{re.escape(epoch_base)}-\d{{6}}|{re.escape(step_base)}-step\d{{8}}"
+        return re.fullmatch(pattern, stem) is not None
+
+    def shares_names_with(self, lock_stem: str) -> str | None:
+        """A file stem that both this run and the run holding ``<lock_stem>.lock`` can save (the first is the
+        example the message names), or None when their saves can never collide.
+
+        E.g. ``--output_name a`` saves ``a-000001`` after epoch 1, the final file of ``--output_name a-000001``;
+        without ``--output_name`` (lock ``last``) a run saves ``epoch-000001`` as ``--output_name epoch`` does. The
+        lock ``last`` is both the unnamed run's and ``--output_name last``'s, so both are assumed. Two stem sets
+        share a name exactly when one run's final stem is a save of the other or both number their epoch (or step)
+        saves from the same base (an epoch name ``B-dddddd`` never equals a step name ``B'-stepdddddddd``), so trying
+        each run's final stem, first epoch and first step save against the other run decides it."""
+        others = [OutputNames(lock_stem)] + ([OutputNames(None)] if lock_stem == "last" else [])
+        for other in others:
+            for one, two in ((self, other), (other, self)):
+                for stem in (one.last, one.epoch(1), one.step(1)):
+                    if two.may_save(stem):
+                        return stem
+        return None
 
 
 def epoch_interval(cfg: SaveConfig, num_epochs: int) -> int | None:

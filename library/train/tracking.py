@@ -10,6 +10,11 @@ the epoch number, as ``loss/epoch_average``), the divergence being the validatio
 
 The wandb key (``--wandb_api_key``) is used for ``wandb.login`` only: it is never part of the tracker config, the
 LoRA metadata, the state folder or ``--output_config`` (``library/config/sections.py``: ``public_snapshot``).
+
+TensorBoard writes into ``<--logging_dir>/<--log_prefix><YYYYmmddHHMMSS>``, which the trainer creates itself with
+``mkdir`` (no ``exist_ok`` through a link): a symbolic link (or a file) at that name stops the run (exit 2) naming it,
+so no event file is written into what a link points to. An existing real folder of that name (two runs started in
+the same second) is shared, as in sd-scripts.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from library.base.errors import UserError
+from library.base.files import link_description
 from library.config import SECRET_FIELDS, LogConfig
 from library.config.log import read_tracker_config
 
@@ -71,6 +77,19 @@ def _config_text(config: dict[str, Any]) -> str:
     return "\n".join(f"    {name} = {value!r}" for name, value in sorted(config.items()))
 
 
+def make_log_folder(folder: Path) -> None:
+    """Create a run's TensorBoard folder (and ``--logging_dir`` if needed); a link or a file at its name is a
+    ``UserError``, an existing real folder is used."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        if folder.is_symlink() or not folder.is_dir():
+            what = link_description(folder) if folder.is_symlink() else "is not a folder"
+            raise UserError(f"--logging_dir: {folder} {what}; the TensorBoard logs are never written through a "
+                            "link: remove it, or give another --logging_dir or --log_prefix") from None
+
+
 class Tracker:
     """Writes scalars to the chosen trackers; a no-op when no ``--logging_dir`` / ``--log_with`` is given.
 
@@ -90,6 +109,7 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             folder = Path(cfg.logging_dir) / ((cfg.log_prefix or "") + time.strftime("%Y%m%d%H%M%S"))
+            make_log_folder(folder)
             writer = SummaryWriter(str(folder), **init_kwargs.get("tensorboard", {}))
             if config is not None:
                 writer.add_text("config", _config_text(config), 0)
