@@ -22,6 +22,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from library.base.bounded import load_toml
 from library.base.errors import UserError, did_you_mean
 from library.config import SECRET_FIELDS, TrainConfig, all_fields, family_sections, field_default, from_namespace
 from library.config.gui import GUI_ONLY_KEYS, GUI_REFUSED_WHEN_SET, other_family
@@ -150,7 +151,8 @@ def _read_toml(file: Path) -> dict[str, Any]:
     if not file.is_file():
         raise UserError(f"--config_file {file}: file not found")
     try:
-        return tomllib.loads(file.read_text(encoding="utf-8"))
+        return load_toml(file.read_text(encoding="utf-8"), str(file), "edit the file (its keys are the flags, in "
+                         "[sections])")
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{file}: not valid TOML: {exc}") from None
     except UnicodeDecodeError:
@@ -232,15 +234,25 @@ _NOT_WRITTEN = {"config_file", "output_config", *SECRET_FIELDS}
 
 
 def write_config_file(path: str, explicit: dict[str, Any]) -> Path:
-    """``--output_config``: write the explicitly given arguments to a TOML; never overwrite."""
+    """``--output_config``: write the explicitly given arguments to a TOML; never overwrite, never write through a
+    link (a dangling one included: ``library/base/files.write_file_exclusive``)."""
     import toml
 
+    from library.base.files import link_description, write_file_exclusive
+
     file = Path(path if path.endswith(".toml") else path + ".toml")
-    if file.exists():
-        raise UserError(f"--output_config: {file} exists; choose another --config_file path or remove it")
+    if file.is_symlink():
+        raise UserError(f"--output_config: {file} {link_description(file)}; the config is never written through a "
+                        "link: choose another --config_file path or remove the link")
     body = {k: list(v) if isinstance(v, tuple) else v for k, v in explicit.items()
             if k not in _NOT_WRITTEN and v is not None}
-    file.write_text(toml.dumps(body), encoding="utf-8")
+    try:
+        write_file_exclusive(file, lambda f: f.write(toml.dumps(body).encode("utf-8")))
+    except FileExistsError:
+        raise UserError(f"--output_config: {file} exists; choose another --config_file path or remove it") from None
+    except OSError as exc:
+        raise UserError(f"--output_config: cannot write {file} ({exc.strerror or exc}); choose a --config_file path "
+                        "in an existing, writable folder") from None
     return file
 
 
@@ -248,7 +260,9 @@ def parse_args(argv: list[str], family: str = "sd") -> tuple[TrainConfig, dict[s
     """Parse a kohya command line of ``family``'s script into a ``TrainConfig``; also return the explicitly given
     values."""
     explicit = vars(build_parser(family).parse_args(argv))
-    from_file = read_config_file(explicit["config_file"], family) if explicit.get("config_file") else {}
+    # With --output_config, --config_file names the file to write (sd-scripts' read_config_from_file): not read.
+    reads = explicit.get("config_file") and not explicit.get("output_config")
+    from_file = read_config_file(explicit["config_file"], family) if reads else {}
     values = {**_defaults(), **from_file, **explicit}
     _apply_legacy_optimizer(values)
     return from_namespace(values, family), {**from_file, **explicit}

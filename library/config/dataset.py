@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from library.base.bounded import load_json, load_toml
 from library.base.errors import UserError, did_you_mean
 from library.config import DataConfig
 from library.config.dataset_folders import add_mask_folders, folder_subsets
@@ -186,13 +187,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f'--dataset_config "{path}": file not found')
     suffix = path.suffix.lower()
+    fix = "edit the file ([general], [[datasets]] and [[datasets.subsets]] nest three levels deep)"
     try:
         if suffix == ".toml":
-            with open(path, "rb") as f:
-                return tomllib.load(f)
+            return load_toml(path.read_bytes().decode("utf-8"), str(path), fix)
         if suffix == ".json":
-            with open(path, encoding="utf-8") as f:
-                loaded = json.load(f)
+            loaded = load_json(path.read_text(encoding="utf-8"), str(path), fix)
             if not isinstance(loaded, dict):
                 raise UserError(f"{path}: the top level must be an object with general and datasets")
             return loaded

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from library.base.bounded import load_toml
 from library.base.errors import UserError
 from library.config.fields import flag
 
@@ -48,7 +49,8 @@ def read_tracker_config(path: str) -> dict[str, dict[str, Any]]:
     if not file.is_file():
         raise UserError(f"--log_tracker_config {path}: file not found")
     try:
-        data = tomllib.loads(file.read_text(encoding="utf-8"))
+        data = load_toml(file.read_text(encoding="utf-8"), f"--log_tracker_config {path}",
+                         "a tracker config holds flat [tracker] tables of options")
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"--log_tracker_config {path}: not valid TOML: {exc}") from None
     except UnicodeDecodeError:

@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from library.base.bounded import load_json
+from library.base.errors import UserError
 from library.config.dataset import SubsetSpec
 from library.data.images import IMAGE_EXTENSIONS
+
+IN_JSON_SHAPE = 'a fine-tuning metadata file maps each image to {"caption": ..., "tags": ...}'
 
 
 def _load(path: Path, errors: list[str]) -> dict[str, dict]:
@@ -22,15 +26,18 @@ def _load(path: Path, errors: list[str]) -> dict[str, dict]:
             entries = {}
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if line.strip():
-                    record = json.loads(line)
+                    record = load_json(line, f"{path}:{number}", IN_JSON_SHAPE)
                     if not isinstance(record, dict) or "image_path" not in record:
                         errors.append(f"{path}:{number}: expected an object with image_path")
                         continue
                     entries[record["image_path"]] = record
             return entries
-        loaded = json.loads(path.read_text(encoding="utf-8"))
+        loaded = load_json(path.read_text(encoding="utf-8"), str(path), IN_JSON_SHAPE)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         errors.append(f"{path}: not valid JSON: {e}")
+        return {}
+    except UserError as e:  # nested too deep, or an integer too long
+        errors.extend(e.messages)
         return {}
     if not isinstance(loaded, dict) or not all(isinstance(v, dict) for v in loaded.values()):
         errors.append(f'{path}: expected {{"image": {{"caption": "...", "tags": "..."}}, ...}}')

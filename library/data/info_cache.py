@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from library.base.bounded import load_json
+from library.base.errors import UserError
 from library.base.files import write_bytes_atomic
 from library.data.images import INFO_CACHE_FILE
 
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 FILE_NAME = INFO_CACHE_FILE
 SWAPS_KEY = "sdsb_exif_swaps_size"
+MAX_SIDE = 1 << 20  # pixels per side of a cached size; a larger one is an edit (the entry is rebuilt)
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,8 @@ def _entry(value: object) -> ImageInfo | None:
     if not isinstance(value, dict) or not isinstance(value.get("caption"), str):
         return None
     size = value.get("resolution")
-    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size)):
+    if not (isinstance(size, list) and len(size) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_SIDE for v in size)):
         return None
     return ImageInfo(value["caption"], (size[0], size[1]), value.get(SWAPS_KEY) is True)
 
@@ -74,7 +78,10 @@ def read(image_dir: str | Path, images: list[Path]) -> dict[Path, ImageInfo] | N
         logger.info("%s: no %s yet; it is written after this scan (cache_info)", image_dir, FILE_NAME)
         return None
     try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
+        raw = load_json(file.read_text(encoding="utf-8"), str(file), "not used as a cache")
+    except UserError as exc:  # nested too deeply or an integer too long (library/base/bounded.py)
+        logger.warning("%s; scanning the folder again and rewriting it", exc)
+        return None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         logger.warning("%s: cannot be read (%s); scanning the folder again and rewriting it", file, exc)
         return None

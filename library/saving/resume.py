@@ -24,7 +24,8 @@ import torch
 
 from library.base.errors import UserError
 from library.config import ScheduleConfig
-from library.saving.state_file import TENSORS_FILE, SavedState, StateFormatError, encode
+from library.saving.state_file import DAMAGED_HINT, TENSORS_FILE, SavedState, StateFormatError, encode
+from library.saving.state_schema import shape_problems, steps_beyond_position
 from library.saving.trajectory import differences, network_differences
 from library.train.accumulation import Accumulation
 from library.train.finite import floating_tensors, refuse_non_finite
@@ -205,20 +206,21 @@ class TrainingState:
 
     def capture(self, pos: Position) -> tuple[dict[str, Any], dict[str, Any]]:
         """The objects to store and the ``train_state.json`` record at ``pos``."""
+        objects = self.objects()
+        beyond = steps_beyond_position(objects["optimizer"], objects["scheduler"], pos.step,
+                                       self.trajectory.get("num_processes", 1))
         train_state = {"current_epoch": pos.epoch + (1 if pos.batch else 0),  # sd-scripts: 1-based, in progress
                        "current_step": pos.step, "position": asdict(pos), "seed": self.seed,
-                       "trajectory": self.trajectory, "config": self.config}
-        return self.objects(), train_state
+                       "steps_beyond_position": beyond, "trajectory": self.trajectory, "config": self.config}
+        return objects, train_state
 
     def restore(self, saved: SavedState) -> None:
-        """Load a state after checking that the network and optimizer fit; ``UserError`` otherwise."""
+        """Load a state (checked by ``read_state``) after checking that the network and optimizer fit this run and
+        that the optimizer's tensors fit their parameters; ``UserError`` otherwise, before the first step."""
         objects = saved.objects
         if saved.legacy:  # state.pt of earlier versions
             objects = {**objects, "rng": {"torch": objects.get("rng"), "noise": objects.get("noise_rng")}}
-        network = objects.get("network")
-        if not isinstance(network, dict) or not all(isinstance(v, torch.Tensor) for v in network.values()):
-            raise UserError(f"--resume {saved.folder}: the state holds no network weights; it is not a training "
-                            "state of this trainer")
+        network = objects["network"]
         problems = network_differences(network, self.network.state_dict())
         problems += _optimizer_problems(objects.get("optimizer"), self.optimizer)
         rng = objects.get("rng")
@@ -228,6 +230,9 @@ class TrainingState:
                             f"{self.noise_generator.device.type} (the noise generators differ)")
         if problems:
             raise UserError(*(f"--resume {saved.folder}: {line}" for line in problems), RESUME_HINT)
+        damaged = shape_problems(objects["optimizer"], self.optimizer.param_groups)
+        if damaged:
+            raise UserError(*(f"--resume {saved.folder}: {line}" for line in damaged), DAMAGED_HINT)
         try:
             self.network.load_state_dict(network, strict=False)
             self.optimizer.load_state_dict(objects["optimizer"])

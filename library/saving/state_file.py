@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from library.base.bounded import load_json
 from library.base.errors import UserError
 from library.base.files import replace_folder, write_new_file
+from library.saving.state_schema import state_problems
 
 FORMAT = "sd-scripts-bf16/state-2"
 TENSORS_FILE = "state.safetensors"
@@ -146,7 +148,15 @@ def read_state(folder: str) -> SavedState:
                         "give a folder written by --save_state (<name>-state, <name>-step<N>-state, ...)")
     if not isinstance(objects, dict):
         raise UserError(f"--resume {folder}: the state holds a {type(objects).__name__}, not a training state")
-    return SavedState(folder, train_state, objects)
+    saved = SavedState(folder, train_state, objects)
+    problems = state_problems(train_state, objects, saved.legacy)
+    if problems:
+        raise UserError(*(f"--resume {folder}: {line}" for line in problems), DAMAGED_HINT)
+    return saved
+
+
+DAMAGED_HINT = ("the state is damaged or was edited by hand: resume from another state folder (an interrupted or full "
+                "disk can truncate the last one), or start a new run")
 
 
 def _damaged(folder: str, file: Path, why: str) -> UserError:
@@ -159,7 +169,7 @@ def _read_train_state(folder: str, file: Path) -> dict[str, Any]:
         raise UserError(f"--resume {folder}: not a state folder (no {TRAIN_STATE_FILE}); give a folder written by "
                         "--save_state")
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = load_json(file.read_text(encoding="utf-8"), f"--resume {folder}: {file.name}", DAMAGED_HINT)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _damaged(folder, file, str(exc) or "empty") from None
     if not isinstance(data, dict):
@@ -176,7 +186,8 @@ def _read_tensors(folder: str, file: Path) -> Any:
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
         if TREE_KEY not in meta:
             raise _damaged(folder, file, f"no {TREE_KEY} entry in its metadata")
-        return decode(json.loads(meta[TREE_KEY]), tensors)
+        tree = load_json(meta[TREE_KEY], f"--resume {folder}: {file.name}: metadata {TREE_KEY}", DAMAGED_HINT)
+        return decode(tree, tensors)
     except (SafetensorError, OSError, json.JSONDecodeError, StateFormatError) as exc:
         raise _damaged(folder, file, str(exc)) from None
 
