@@ -5,9 +5,26 @@ These are also the command-line fallbacks of ``--dataset_config`` keys (``librar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from library.base.errors import UserError
 from library.config.fields import flag, parse_float_pair, parse_resolution
+
+# PIL refuses to open an image of more than 2 * Image.MAX_IMAGE_PIXELS (its default 1024**3 // 4 // 3) pixels as a
+# decompression bomb: the largest image sd-scripts can train on without raising the limit.
+PIL_PIXEL_LIMIT = 2 * (1024 * 1024 * 1024 // 4 // 3)
+
+
+def _limit(name: str) -> Callable[[object], int]:
+    """The parser of a limit flag ``--<name>``: a whole number of at least 1 (command-line string or TOML value)."""
+    def parse(value: object) -> int:
+        text = str(value).strip()
+        if not isinstance(value, bool) and (isinstance(value, int) or text.isdigit()) and len(text) <= 30:
+            if int(text) >= 1:
+                return int(text)
+        raise UserError(f"--{name} {value!r}: expected a whole number of at least 1 (and at most 30 digits)")
+    return parse
 
 
 @dataclass
@@ -54,6 +71,18 @@ class DataConfig:
     persistent_data_loader_workers: bool = flag(False, "keep data loader workers alive between epochs; accepted for "
                                                 "compatibility: they always stay alive here (with workers > 0)")
     skip_broken_images: bool = flag(False, "skip images that fail to decode (default: stop and name the file)")
+    max_image_pixels: int = flag(
+        PIL_PIXEL_LIMIT, "ours, not sd-scripts': the most pixels (width x height) an image may have; a larger one "
+        "stops the run at the dataset scan, naming it (default: PIL's decompression-bomb limit, 178956970)",
+        parse=_limit("max_image_pixels"))
+    max_images_per_epoch: int = flag(
+        10_000_000, "ours, not sd-scripts': the most images (repeats x images) one dataset may have per epoch; more "
+        "stops the run at the dataset scan, naming the folders (each epoch's order holds one entry per image)",
+        parse=_limit("max_images_per_epoch"))
+    max_caption_length: int = flag(
+        10_000, "ours, not sd-scripts': characters kept of each caption (of each line with --enable_wildcard); a "
+        "longer one is cut when the dataset is scanned, with a warning naming it (the text encoder reads at most "
+        "225 tokens of a caption anyway)", parse=_limit("max_caption_length"))
     cache_latents: bool = flag(False, "encode every image with the VAE once and keep the latents in RAM")
     cache_latents_to_disk: bool = flag(
         False, "cache latents in <image>_<W>x<H>_sd.npz, for SDXL _sdxl.npz (implies --cache_latents)")

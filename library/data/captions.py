@@ -96,6 +96,18 @@ def process_caption(caption: str, sub: SubsetSpec, rng: random.Random, state: Ca
     return caption
 
 
+def cut_caption(caption: str, max_length: int) -> str | None:
+    """``--max_caption_length``: the caption with each line cut to ``max_length`` characters, or None when no line is
+    longer (then the caption is used exactly as read). Lines are cut one by one because with wildcards each line is
+    a caption of its own. Ours, not sd-scripts': sd-scripts tokenizes the whole text at every step, and the tokenizer
+    keeps only its first 75, 150 or 225 tokens; the default 10000 characters hold more tokens than that unless the
+    line is mostly spaces, so the tokens trained on are the same (``tests/e2e/test_input_limits.py``)."""
+    lines = caption.split("\n")
+    if all(len(line) <= max_length for line in lines):
+        return None
+    return "\n".join(line[:max_length] for line in lines)
+
+
 def count_tags(captions: list[str]) -> dict[str, int]:
     """sd-scripts' ``set_tag_frequency`` for one folder: comma-split, stripped, lower-cased tag counts."""
     counts: dict[str, int] = {}

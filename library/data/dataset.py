@@ -22,7 +22,7 @@ from library.data.buckets import crop_ltrb
 from library.data.captions import CaptionState, process_caption
 from library.data.dataset_metadata import dataset_metadata
 from library.data.images import check_scanned_size, load_image, load_image_with_alpha
-from library.data.prepare import PreparedDataset, prepare_datasets
+from library.data.prepare import PreparedDataset, ScanLimits, prepare_datasets
 from library.data.transforms import bucket_placement, mask_tensor, place, to_tensor
 from library.runtime.fs_checks import write_problem
 
@@ -385,7 +385,7 @@ def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | Non
 
         return build_custom_data(data, seed=seed, max_token_length=max_token_length, v2=v2, masked_loss=masked_loss)
     group = load_dataset_specs(data, masked_loss, bucket_step)
-    datasets, held_out = prepare_datasets(list(group.datasets), data.skip_broken_images, seed)
+    datasets, held_out = prepare_datasets(list(group.datasets), data.skip_broken_images, seed, ScanLimits.of(data))
     if data.cache_latents_to_disk:
         folders = sorted({str(Path(item.path).parent) for ds in datasets + held_out for item in ds.items})
         problems = [p for p in map(write_problem, folders) if p is not None]

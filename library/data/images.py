@@ -5,16 +5,24 @@ Differences from sd-scripts, on purpose:
   cache file names use the upright size;
 * extensions match case-insensitively (sd-scripts globs ``.png`` and ``.PNG`` but not ``.Png``);
 * the "face-detect" caption stem (drop the last four ``_`` tokens when there are at least five) is taken from the
-  file name only; sd-scripts splits the whole path, so underscores in folder names count.
+  file name only; sd-scripts splits the whole path, so underscores in folder names count;
+* the pixel limit is ``--max_image_pixels`` (default PIL's own), checked from the file's header when the dataset is
+  scanned, so an image over it is named with the flag before anything is decoded (PIL raises its
+  ``DecompressionBombError`` as a traceback in sd-scripts); images are then opened with PIL's check lifted, since
+  the scan has applied the limit the user chose.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from library.base.errors import UserError
+from library.config.data import PIL_PIXEL_LIMIT
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 INFO_CACHE_FILE = "metadata_cache.json"  # library/data/info_cache.py
@@ -25,6 +33,10 @@ _SWAPPING_ORIENTATIONS = (5, 6, 7, 8)
 
 class BrokenImage(Exception):
     """An image file that cannot be decoded; the message names the file and the decoder's reason."""
+
+
+class ImageTooLarge(BrokenImage):
+    """An image with more pixels than ``--max_image_pixels``; the message names the file, its size and the flag."""
 
 
 class CaptionProblem(Exception):
@@ -67,23 +79,56 @@ def read_caption(image_path: Path, extension: str, enable_wildcard: bool) -> str
     return None
 
 
-def image_size(path: Path) -> tuple[int, int]:
+def image_size(path: Path, max_pixels: int = PIL_PIXEL_LIMIT) -> tuple[int, int]:
     """Upright (EXIF-oriented) width and height; decodes the file enough to catch corrupt data (``stored_size``)."""
-    (width, height), swaps = stored_size(path)
+    (width, height), swaps = stored_size(path, max_pixels)
     return (height, width) if swaps else (width, height)
 
 
-def stored_size(path: Path) -> tuple[tuple[int, int], bool]:
+_PIL_CHECK = threading.Lock()
+
+
+@contextmanager
+def _pil_check_lifted() -> Iterator[None]:
+    """PIL's decompression-bomb check off while an image is opened (``Image.open`` reads only the header); the
+    caller applies ``--max_image_pixels`` instead. A lock keeps threads from restoring each other's setting."""
+    with _PIL_CHECK:
+        saved = Image.MAX_IMAGE_PIXELS
+        Image.MAX_IMAGE_PIXELS = None
+        try:
+            yield
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
+
+
+def _open(path: str | Path) -> Image.Image:
+    with _pil_check_lifted():
+        return Image.open(path)
+
+
+def check_pixels(path: str | Path, size: tuple[int, int], max_pixels: int) -> None:
+    """``ImageTooLarge`` when an image of ``size`` (W, H) has more than ``max_pixels`` pixels."""
+    width, height = size
+    if width * height > max_pixels:
+        raise ImageTooLarge(f"{path}: {width}x{height} = {width * height} pixels, more than --max_image_pixels "
+                            f"{max_pixels}; shrink the image, or raise --max_image_pixels if it is meant to be "
+                            "this large")
+
+
+def stored_size(path: Path, max_pixels: int = PIL_PIXEL_LIMIT) -> tuple[tuple[int, int], bool]:
     """The width and height stored in the file (what sd-scripts reads) and whether the EXIF orientation swaps them.
 
-    PNG chunks are checksummed with ``verify``; JPEG is decoded at 1/8 scale (``draft``), other formats fully.
+    The size is read from the header and checked against ``max_pixels`` (``ImageTooLarge``) before anything is
+    decoded; then PNG chunks are checksummed with ``verify``, JPEG is decoded at 1/8 scale (``draft``), other formats
+    fully.
     """
     try:
-        with Image.open(path) as img:
+        with _open(path) as img:
+            check_pixels(path, img.size, max_pixels)
             is_png = img.format == "PNG"
             if is_png:
                 img.verify()
-        with Image.open(path) as img:
+        with _open(path) as img:
             width, height = img.size
             orientation = img.getexif().get(0x0112, 1)
             if not is_png:
@@ -106,7 +151,7 @@ def check_scanned_size(path: str | Path, img: Image.Image, size: tuple[int, int]
 
 def _open_upright(path: str | Path, mode: str) -> Image.Image:
     try:
-        with Image.open(path) as img:
+        with _open(path) as img:
             return ImageOps.exif_transpose(img).convert(mode)
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
         raise BrokenImage(f"{path}: cannot decode image ({e})") from None

@@ -3,8 +3,9 @@
 This follows sd-scripts' ``DreamBoothDataset.__init__`` / ``FineTuningDataset.__init__`` and
 ``BaseDataset.make_buckets``, and a dataset with ``validation_split`` into its training and validation part as
 sd-scripts' ``generate_dataset_group_by_blueprint`` builds them (``library/data/split.py``); every problem found while
-scanning (unreadable images, empty caption files, images
-smaller than the resolution, bucket limits) is collected and raised in one ``UserError``. No torch here.
+scanning (unreadable images, empty caption files, images smaller than the resolution, bucket limits, and the limits
+of ``library/data/limits.py``: pixels per image, images per epoch; captions over their limit are cut with a warning)
+is collected and raised in one ``UserError``. No torch here.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ from library.data.images import (
     IMAGE_EXTENSIONS,
     BrokenImage,
     CaptionProblem,
+    ImageTooLarge,
+    check_pixels,
     image_size,
     list_images,
     read_caption,
     stored_size,
 )
 from library.data.in_json import read_metadata_subset
+from library.data.limits import ScanLimits, cut_long_captions, epoch_size_problem, repeats_problem, warn_cut_captions
 from library.data.masks import match_mask_images
 from library.data.split import Part, split_part, split_report
 
@@ -93,6 +97,8 @@ class ScanReport:
     broken: list[str] = field(default_factory=list)
     missing_captions: list[str] = field(default_factory=list)
     small_images: list[str] = field(default_factory=list)
+    long_captions: list[str] = field(default_factory=list)
+    limits: ScanLimits = field(default_factory=ScanLimits)
 
 
 def _listing(paths: list[str]) -> str:
@@ -112,6 +118,11 @@ def _scan_dreambooth(sub: SubsetSpec, report: ScanReport) -> list[tuple[str, str
         if cached is not None:
             found = []
             for path, info in cached.items():
+                try:
+                    check_pixels(path, info.upright_size, report.limits.max_image_pixels)
+                except ImageTooLarge as e:
+                    report.errors.append(str(e))
+                    continue
                 caption = info.caption
                 if not caption:
                     report.missing_captions.append(str(path))
@@ -128,7 +139,10 @@ def _scan_dreambooth(sub: SubsetSpec, report: ScanReport) -> list[tuple[str, str
             report.errors.append(str(e))
             continue
         try:
-            stored, swaps = stored_size(path)
+            stored, swaps = stored_size(path, report.limits.max_image_pixels)
+        except ImageTooLarge as e:
+            report.errors.append(str(e))
+            continue
         except BrokenImage as e:
             report.broken.append(str(e))
             continue
@@ -153,14 +167,18 @@ def _scan_subset(sub: SubsetSpec, report: ScanReport) -> tuple[list[tuple[str, s
         tag_texts = []
         for path, caption, tags in read_metadata_subset(sub, report.errors):
             try:
-                found.append((path, caption, image_size(Path(path))))
+                found.append((path, caption, image_size(Path(path), report.limits.max_image_pixels)))
+            except ImageTooLarge as e:
+                report.errors.append(str(e))
+                continue
             except BrokenImage as e:
                 report.broken.append(str(e))
                 continue
             if tags:
                 tag_texts.append(tags)
+        found = cut_long_captions(found, report.limits.max_caption_length, report.long_captions)
         return found, Path(sub.metadata_file).name, tag_texts
-    found = _scan_dreambooth(sub, report)
+    found = cut_long_captions(_scan_dreambooth(sub, report), report.limits.max_caption_length, report.long_captions)
     return found, Path(sub.image_dir).name, [caption for _, caption, _ in found]
 
 
@@ -277,6 +295,9 @@ def prepare_dataset(spec: DatasetSpec, report: ScanReport, part: Part = "train",
         if repeats < 1:
             logger.warning("%s: ignored: num_repeats is %d (below 1)", sub.location, sub.num_repeats)
             continue
+        if problem := repeats_problem(sub, repeats, report.limits.max_images_per_epoch):
+            report.errors.append(problem)
+            continue
         if source in seen_sources:
             if not validating:
                 logger.warning("%s: ignored: %s is already a subset of this dataset", sub.location, source)
@@ -313,6 +334,11 @@ def prepare_dataset(spec: DatasetSpec, report: ScanReport, part: Part = "train",
             prepared.num_reg_images += repeats * len(found)
         else:
             prepared.num_train_images += repeats * len(found)
+    counts = [(info.spec.location, info.spec.is_reg and spec.is_dreambooth, info.spec.num_repeats, info.img_count)
+              for info in prepared.subsets]
+    if problem := epoch_size_problem(spec.location, counts, report.limits.max_images_per_epoch):
+        report.errors.append(problem)
+        return prepared  # no per-repeat lists are built
     if prepared.num_reg_images > prepared.num_train_images:
         logger.warning("%s: more regularisation images (%d with repeats) than training images (%d); some are not "
                        "used", spec.location, prepared.num_reg_images, prepared.num_train_images)
@@ -322,12 +348,12 @@ def prepare_dataset(spec: DatasetSpec, report: ScanReport, part: Part = "train",
     return prepared
 
 
-def prepare_datasets(specs: list[DatasetSpec], skip_broken_images: bool,
-                     seed: int = 0) -> tuple[list[PreparedDataset], list[PreparedDataset]]:
+def prepare_datasets(specs: list[DatasetSpec], skip_broken_images: bool, seed: int = 0,
+                     limits: ScanLimits | None = None) -> tuple[list[PreparedDataset], list[PreparedDataset]]:
     """Prepare every dataset: the training datasets, and the validation part of each dataset with a
     ``validation_split`` (split with its ``validation_seed``, else ``seed``). Raises one UserError with all
-    problems, logs one warning for missing captions."""
-    report = ScanReport()
+    problems, logs one warning for missing captions and one for captions cut to ``limits.max_caption_length``."""
+    report = ScanReport(limits=limits or ScanLimits())
     scans: dict[str, tuple] = {}
     prepared, held_out = [], []
     for spec in specs:
@@ -368,4 +394,5 @@ def prepare_datasets(specs: list[DatasetSpec], skip_broken_images: bool,
     if report.missing_captions:
         logger.warning("no caption file for %d image(s); their class tokens (or an empty caption) are used: %s",
                        len(report.missing_captions), _listing(report.missing_captions))
+    warn_cut_captions(report.long_captions, report.limits.max_caption_length)
     return prepared, [ds for ds in held_out if ds.items]

@@ -19,10 +19,16 @@ The file forms are sd-scripts' (``library/train_util.py``: ``load_prompts``, ``l
 
 Where we are stricter: sd-scripts skips an option it cannot read (an unknown ``--x``, ``--w 5l2``, ``--d -1``)
 and falls back to DDIM for an unknown sampler; here each is an error naming the file, the line (or table) and
-the option, raised before the data or the models are loaded. Cadence (``sample_images_common``): at first
-(before the first update, also on resume) when ``--sample_at_first``; after an update when ``global_step`` is a
-multiple of ``--sample_every_n_steps``; after epoch ``e`` when ``e`` is a multiple of ``--sample_every_n_epochs``,
-which wins over the steps when both are given. A value of 0 or less turns that cadence off (with a warning).
+the option, raised before the data or the models are loaded. So is a value sd-scripts reads but that fails or
+draws nothing at its first sample, after training steps ran (the ``MAX_*`` bounds below): ``--w`` / ``--h`` above
+16384 pixels, a ``--d`` that does not fit a torch generator (above 2**64 - 1), a ``--l`` above 100 (where the
+prediction overflows) and a prompt or negative prompt of more than 10000 characters (the pipeline reads 225 tokens
+of it). A ``<output_dir>/sample`` that is a file is found at the start too (``check_sample_folder``).
+
+Cadence (``sample_images_common``): at first (before the first update, also on resume) when ``--sample_at_first``;
+after an update when ``global_step`` is a multiple of ``--sample_every_n_steps``; after epoch ``e`` when ``e`` is a
+multiple of ``--sample_every_n_epochs``, which wins over the steps when both are given. A value of 0 or less turns
+that cadence off (with a warning).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +52,13 @@ log = logging.getLogger(__name__)
 DEFAULT_SIZE = 512
 DEFAULT_STEPS = 30
 DEFAULT_SCALE = 7.5
+# Bounds of the options, checked when the file is read (sd-scripts reads any digits and fails at the first sample):
+MAX_SIZE = 16384  # a width / height in pixels: ComfyUI's MAX_RESOLUTION; a VAE decode at 16384² needs > 100 GB
+MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes (a negative --d is no number to sd-scripts' regex)
+MAX_STEPS = 1000  # sd-scripts clamps --s to 1...1000
+MAX_SCALE = 100.0  # CFG: ComfyUI's KSampler maximum; far above it the prediction overflows to a NaN image
+MAX_TEXT = 10_000  # characters of a prompt or negative prompt: the pipeline reads at most 225 tokens of it
+_MAX_DIGITS = 30  # longer digit strings are out of every range (and int() refuses more than 4300 digits)
 
 
 @dataclass(frozen=True)
@@ -114,40 +128,68 @@ class _Problems:
         self.errors.append(f"{self.path}:{where}: {message}")
 
 
-def _convert(kind: str, value: Any, label: str, where: str, problems: _Problems) -> Any:
-    """A value of the given kind from a line option (always a string) or a TOML/JSON value; None if bad."""
+def _shown(value: Any) -> str:
+    """``repr`` of a value for a message, at most about 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:40]}..."
+
+
+def _whole_number(kind: str, value: Any, label: str, where: str, problems: _Problems) -> int | None:
+    """A width / height, seed or step count from a line option (digits) or a TOML/JSON integer, in its bounds."""
     text = value.strip() if isinstance(value, str) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        number = value
+    elif text is not None and _DIGITS.fullmatch(text):
+        number = int(text) if len(text.lstrip("0")) <= _MAX_DIGITS else 10**_MAX_DIGITS
+    else:
+        hint = {"size": "a width/height in pixels, e.g. 512", "seed": "a seed such as 42 (leave it out for "
+                "a random seed)", "steps": "a number of steps, e.g. 28"}[kind]
+        problems.error(where, f"{label} {_shown(value)}: expected a whole number >= 0: {hint}")
+        return None
+    if kind == "steps":
+        return max(1, min(MAX_STEPS, number))
+    shown = str(number) if text is None else text if len(text) <= 40 else f"{text[:40]}..."
+    if kind == "size" and not 1 <= number <= MAX_SIZE:
+        problems.error(where, f"{label} {shown}: expected a size of 1 to {MAX_SIZE} pixels, e.g. 512 (it is "
+                       "rounded down to a multiple of 8, at least 64)")
+        return None
+    if kind == "seed" and number > MAX_SEED:
+        problems.error(where, f"{label} {shown}: a seed must fit a torch generator: 0 to {MAX_SEED}")
+        return None
+    return number
+
+
+def _convert(kind: str, value: Any, label: str, where: str, problems: _Problems) -> Any:
+    """A value of the given kind from a line option (always a string) or a TOML/JSON value, within the option's
+    bounds (``MAX_*``); None if bad."""
     if kind in ("text", "ignored_text"):
         if not isinstance(value, str):
             problems.error(where, f"{label}: expected text, got {value!r}")
             return None
+        if kind == "text" and len(value) > MAX_TEXT:
+            problems.error(where, f"{label}: {len(value)} characters, more than {MAX_TEXT}; the sample pipeline "
+                           "reads at most 225 tokens of it: shorten it")
+            return None
         return value
     if kind in ("size", "seed", "steps"):
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            number = value
-        elif text is not None and _DIGITS.fullmatch(text):
-            number = int(text)
-        else:
-            hint = {"size": "a width/height in pixels, e.g. 512", "seed": "a seed such as 42 (leave it out for "
-                    "a random seed)", "steps": "a number of steps, e.g. 28"}[kind]
-            problems.error(where, f"{label} {value!r}: expected a whole number >= 0: {hint}")
-            return None
-        if kind == "size" and number == 0:
-            problems.error(where, f"{label} 0: expected a size in pixels, e.g. 512")
-            return None
-        return max(1, min(1000, number)) if kind == "steps" else number
+        return _whole_number(kind, value, label, where, problems)
     if kind in ("scale", "ignored_number"):
         try:
             number = float(value) if not isinstance(value, bool) else math.nan
         except (TypeError, ValueError):
             number = math.nan
         if not math.isfinite(number) or number < 0:
-            problems.error(where, f"{label} {value!r}: expected a number >= 0, e.g. 7.5")
+            problems.error(where, f"{label} {_shown(value)}: expected a number >= 0, e.g. 7.5")
+            return None
+        if kind == "scale" and number > MAX_SCALE:
+            problems.error(where, f"{label} {_shown(value)}: expected a CFG scale of at most {MAX_SCALE:g}, e.g. "
+                           "7.5")
             return None
         return number
     if not isinstance(value, str) or value.strip().lower() not in SAMPLER_SPECS:
-        problems.error(where, f"{label} {value!r}: unknown sampler{did_you_mean(str(value), SAMPLER_SPECS)}; "
-                       f"choose from {', '.join(SAMPLER_SPECS)}")
+        hint = did_you_mean(str(value)[:40], SAMPLER_SPECS)
+        problems.error(where, f"{label} {_shown(value)}: unknown sampler{hint}; choose from "
+                       f"{', '.join(SAMPLER_SPECS)}")
         return None
     return value.strip().lower()
 
@@ -212,6 +254,9 @@ def _read(path: Path, problems: _Problems) -> list[SamplePrompt | None]:
         raise UserError(f"--sample_prompts {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"--sample_prompts {path}: cannot read it as UTF-8 text ({exc})") from None
+    from library.base.bounded import load_json, load_toml
+
+    source, fix = f"--sample_prompts {path}", "edit the file (a prompt file nests two or three levels deep)"
     if suffix == ".txt":
         lines = [(number, raw.strip()) for number, raw in enumerate(text.splitlines(), 1)
                  if raw.strip() and not raw.startswith("#")]
@@ -220,7 +265,7 @@ def _read(path: Path, problems: _Problems) -> list[SamplePrompt | None]:
         import toml
 
         try:
-            data = toml.loads(text)
+            data = load_toml(text, source, fix, toml.loads, (toml.TomlDecodeError,))
         except toml.TomlDecodeError as exc:
             raise UserError(f"--sample_prompts {path}: not valid TOML ({exc})") from None
         defaults = data.get("prompt")
@@ -232,7 +277,7 @@ def _read(path: Path, problems: _Problems) -> list[SamplePrompt | None]:
         return [_prompt_from_table(i, {**shared, **subset}, f"prompt.subset[{i}]", problems)
                 for i, subset in enumerate(subsets)]
     try:
-        data = json.loads(text)
+        data = load_json(text, source, fix)
     except json.JSONDecodeError as exc:
         raise UserError(f"--sample_prompts {path}: not valid JSON ({exc})") from None
     if not isinstance(data, list):
@@ -259,6 +304,17 @@ def load_prompt_file(path: str | Path) -> list[SamplePrompt]:
                     "sd-scripts' train_network.py does", problems.path, ",".join(places), _OPTION_OF_KEY[key], key,
                     _IGNORED_BY[key])
     return [p for p in prompts if p is not None]
+
+
+def check_sample_folder(plan: SamplePlan | None, output_dir: str | Path | None) -> None:
+    """With sample images planned, ``<output_dir>/sample`` (where ``library/sampling/images.py`` writes them) must be
+    a folder or not exist yet; a file there is a ``UserError`` at the start, not at the first sample."""
+    if plan is None or output_dir is None:
+        return
+    folder = Path(output_dir) / "sample"  # library/sampling/images.py SAMPLE_FOLDER (that module imports torch)
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise UserError(f"--sample_prompts {plan.prompt_file}: sample images go to {folder}, which is not a folder; "
+                        "move or delete it, or choose another --output_dir")
 
 
 def _cadence(name: str, value: int | None) -> int | None:
