@@ -63,7 +63,8 @@ class Stopped(Exception):
     """A multi-process run stopped on every process because one of them failed (``library/runtime/processes.py``).
 
     ``exit_code`` is this process's code (its own failure's, else that of the process that failed first); ``lines``
-    is what to print, non-empty on the main process only, so the failure is reported once."""
+    is what to print: non-empty on the main process only, so the failure is reported once, except when a process was
+    lost (exit 4), where every process still running says so, since the lost one may be the main process."""
 
     def __init__(self, exit_code: int, lines: list[str]) -> None:
         self.exit_code = exit_code

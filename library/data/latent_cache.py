@@ -10,14 +10,19 @@ mask is needed; one with it serves a run without masks too (the key is not read 
 Added key ``sdsb_cache_key``: a JSON string with the SHA-1 of the image file, the bucket, the resized size and the
 VAE id. A file whose key differs is rebuilt, so an edited image, a new resolution or another VAE never reuses stale
 latents (sd-scripts checks only that ``latents`` exists). Files sd-scripts wrote (no key) are reused when their
-latent shape matches the bucket, as sd-scripts would. Files are written to a temporary name and renamed, so an
-interrupted run never leaves a half-written cache; a rebuilt file is written fresh (old keys are not carried over).
+latent shape matches the bucket, as sd-scripts would. A file that would be used but is damaged (it cannot be read,
+or an array is not floating point, has the wrong shape or holds NaN/Inf: ``cache_arrays``) is rebuilt with a warning
+naming it; with ``--skip_cache_check`` it is named when a batch reads it (exit 2). Files are written as every file of
+the trainer (``library/base/files.write_file_atomic``: a temporary name, flushed to disk, renamed; mode 0666 less the
+umask), so an interrupted run never leaves a half-written cache; a rebuilt file is written fresh (old keys are not
+carried over).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import zipfile
 from pathlib import Path
 
@@ -26,10 +31,14 @@ import torch
 
 from library.base.errors import UserError
 from library.base.files import write_file_atomic
+from library.data.cache_arrays import array_problem
 
 CACHE_KEY = "sdsb_cache_key"
 LATENT_CHANNELS = 4
 LATENT_STRIDE = 8
+UNREADABLE = (OSError, ValueError, zipfile.BadZipFile, EOFError)  # np.load of a damaged or hostile file
+
+log = logging.getLogger(__name__)
 
 
 def npz_path(image_path: str | Path, original_size: tuple[int, int], suffix: str = "_sd") -> Path:
@@ -59,25 +68,41 @@ def exists(path: Path) -> bool:
     return path.is_file()
 
 
+def expected_shapes(bucket: tuple[int, int], flip_aug: bool, alpha_mask: bool) -> dict[str, tuple[int, ...]]:
+    """The arrays a cache file needs for an image in ``bucket`` (W, H), with their shapes."""
+    latents = (LATENT_CHANNELS, bucket[1] // LATENT_STRIDE, bucket[0] // LATENT_STRIDE)
+    shapes = {"latents": latents}
+    if flip_aug:
+        shapes["latents_flipped"] = latents
+    if alpha_mask:
+        shapes["alpha_mask"] = (bucket[1], bucket[0])
+    return shapes
+
+
 def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str, alpha_mask: bool = False) -> bool:
     """True when ``path`` holds latents for ``bucket`` (and flipped ones with ``flip_aug``, the bucket-sized alpha
-    mask with ``alpha_mask``) made under ``key``."""
+    mask with ``alpha_mask``) made under ``key``. A file made for something else (another key; without a key, as
+    sd-scripts writes them, latents of another bucket) or lacking an array is rebuilt quietly; a damaged one with a
+    warning naming it."""
     if not path.is_file():
         return False
-    expected = (LATENT_CHANNELS, bucket[1] // LATENT_STRIDE, bucket[0] // LATENT_STRIDE)
+    expected = expected_shapes(bucket, flip_aug, alpha_mask)
     try:
         with np.load(path, allow_pickle=False) as npz:  # an object array in a hostile file would unpickle
-            if "latents" not in npz.files or tuple(npz["latents"].shape) != expected:
+            stored_key = str(npz[CACHE_KEY]) if CACHE_KEY in npz.files else None
+            if (stored_key is not None and stored_key != key) or any(name not in npz.files for name in expected):
                 return False
-            if flip_aug and "latents_flipped" not in npz.files:
-                return False
-            if alpha_mask and ("alpha_mask" not in npz.files or npz["alpha_mask"].shape != (bucket[1], bucket[0])):
-                return False
-            if CACHE_KEY in npz.files:
-                return str(npz[CACHE_KEY]) == key
-            return True
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError):
+            arrays = {name: npz[name] for name in expected}
+    except UNREADABLE as exc:
+        log.warning("%s: latent cache file cannot be read (%s); rebuilding it", path, exc)
         return False
+    if stored_key is None and arrays["latents"].shape != expected["latents"]:
+        return False  # sd-scripts' file for another bucket
+    problem = array_problem(arrays, expected, f"the image's bucket {bucket[0]}x{bucket[1]}")
+    if problem is not None:
+        log.warning("%s: damaged latent cache file (%s); rebuilding it", path, problem)
+        return False
+    return True
 
 
 def read(path: str | Path, bucket: tuple[int, int], flipped: bool,
@@ -86,21 +111,22 @@ def read(path: str | Path, bucket: tuple[int, int], flipped: bool,
     (unflipped) mask; a file that cannot serve them, which only ``--skip_cache_check`` lets through, is a UserError
     naming it."""
     name = "latents_flipped" if flipped else "latents"
-    expected = (LATENT_CHANNELS, bucket[1] // LATENT_STRIDE, bucket[0] // LATENT_STRIDE)
+    shapes = expected_shapes(bucket, flipped, alpha_mask)
+    expected = {needed: shapes[needed] for needed in (name, "alpha_mask") if needed in shapes}
     fix = "delete it or run without --skip_cache_check, so that it is rebuilt"
     try:
         with np.load(path, allow_pickle=False) as npz:
-            for needed in (name, "alpha_mask") if alpha_mask else (name,):
+            for needed in expected:
                 if needed not in npz.files:
                     raise UserError(f"{path}: latent cache file has no {needed}; {fix}")
-            latents = np.array(npz[name], dtype=np.float32)
-            mask = np.array(npz["alpha_mask"], dtype=np.float32) if alpha_mask else None
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+            arrays = {needed: npz[needed] for needed in expected}
+    except UNREADABLE as exc:
         raise UserError(f"{path}: latent cache file cannot be read ({exc}); {fix}") from None
-    if tuple(latents.shape) != expected or (mask is not None and mask.shape != (bucket[1], bucket[0])):
-        raise UserError(f"{path}: latent cache file holds latents of shape {list(latents.shape)}, but the image's "
-                        f"bucket {bucket[0]}x{bucket[1]} needs {list(expected)}; {fix}")
-    return torch.from_numpy(latents), None if mask is None else torch.from_numpy(mask)
+    problem = array_problem(arrays, expected, f"the image's bucket {bucket[0]}x{bucket[1]}")
+    if problem is not None:
+        raise UserError(f"{path}: latent cache file: {problem}; {fix}")
+    mask = torch.from_numpy(arrays["alpha_mask"].astype(np.float32)) if alpha_mask else None
+    return torch.from_numpy(arrays[name].astype(np.float32)), mask
 
 
 def write(path: Path, latents: torch.Tensor, original_size: tuple[int, int],

@@ -8,23 +8,44 @@ Added key ``sdsb_cache_key`` (as in ``latent_cache``): a JSON string with the ca
 ``--max_token_length``, whether ``--weighted_captions`` weighted it, and the text encoders' id. A file whose key
 differs is rebuilt, so an edited caption, another length, weighting or checkpoint never reuses stale outputs
 (sd-scripts checks only that the three arrays exist and so reuses outputs of an old caption). Files sd-scripts wrote
-(no key) are rebuilt, because what they encoded is unknown. Files are written to a temporary name and renamed.
+(no key) are rebuilt, because what they encoded is unknown. A file with the right key that is damaged (unreadable,
+an array missing, not floating point, of another shape than the text encoders give, or holding NaN/Inf:
+``cache_arrays``) is rebuilt with a warning naming it; sd-scripts would fail with it in the middle of training.
+Files are written as every file of the trainer (``library/base/files.write_file_atomic``: a temporary name, flushed
+to disk, renamed; mode 0666 less the umask).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-import zipfile
+import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from library.data.latent_cache import CACHE_KEY
+from library.base.errors import UserError
+from library.base.files import write_file_atomic
+from library.data.cache_arrays import array_problem
+from library.data.latent_cache import CACHE_KEY, UNREADABLE
 
 SUFFIX = "_te_outputs.npz"
+
+log = logging.getLogger(__name__)
+
+
+class ArrayNames(tuple):
+    """The names of the arrays a cache file holds (a tuple of str: the family's ``cache_names``) and, where known,
+    the shape of each for one caption (``shapes``: what the text encoders give, ``model_setup`` measures it), so that
+    a file whose arrays do not fit the model is rebuilt. A plain tuple of names checks no shape."""
+
+    shapes: dict[str, tuple[int, ...]]
+
+    def __new__(cls, names: Sequence[str], shapes: Mapping[str, tuple[int, ...]] | None = None) -> ArrayNames:
+        self = super().__new__(cls, names)
+        self.shapes = dict(shapes or {})
+        return self
 
 
 def npz_path(image_path: str | Path) -> Path:
@@ -39,33 +60,53 @@ def cache_key(caption: str, max_token_length: int | None, encoder_id: str, weigh
                        "weighted": weighted}, sort_keys=True)
 
 
-def is_valid(path: Path, key: str, names: tuple[str, ...]) -> bool:
-    """True when ``path`` holds every array of ``names`` made under ``key``."""
+def _problem(arrays: dict[str, np.ndarray], names: Sequence[str]) -> str | None:
+    missing = [name for name in names if name not in arrays]
+    if missing:
+        return f"it has no {', '.join(missing)}"
+    return array_problem(arrays, getattr(names, "shapes", {}), "the text encoders' output")
+
+
+def is_valid(path: Path, key: str, names: Sequence[str]) -> bool:
+    """True when ``path`` holds every array of ``names`` made under ``key`` (of the shapes ``names`` gives, finite);
+    a file with the right key that cannot serve is rebuilt with a warning naming it."""
     if not path.is_file():
         return False
     try:
-        with np.load(path) as npz:
-            if any(name not in npz.files for name in names) or CACHE_KEY not in npz.files:
+        with np.load(path, allow_pickle=False) as npz:
+            if CACHE_KEY not in npz.files or str(npz[CACHE_KEY]) != key:
                 return False
-            return str(npz[CACHE_KEY]) == key
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError):
+            arrays = {name: npz[name] for name in names if name in npz.files}
+    except UNREADABLE as exc:
+        log.warning("%s: text encoder output cache file cannot be read (%s); rebuilding it", path, exc)
         return False
+    problem = _problem(arrays, names)
+    if problem is not None:
+        log.warning("%s: damaged text encoder output cache file (%s); rebuilding it", path, problem)
+        return False
+    return True
 
 
-def read(path: str | Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    with np.load(path) as npz:
-        return {name: torch.from_numpy(np.array(npz[name], dtype=np.float32)) for name in names}
+def read(path: str | Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The cached outputs of one caption; a file damaged since it was validated is a UserError naming it."""
+    fix = "delete it so that it is rebuilt"
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in names if name in npz.files}
+    except UNREADABLE as exc:
+        raise UserError(f"{path}: text encoder output cache file cannot be read ({exc}); {fix}") from None
+    problem = _problem(arrays, names)
+    if problem is not None:
+        raise UserError(f"{path}: text encoder output cache file: {problem}; {fix}")
+    return {name: torch.from_numpy(arrays[name].astype(np.float32)) for name in names}
 
 
 def write(path: Path, outputs: dict[str, torch.Tensor], key: str) -> None:
-    """Write one cache file atomically (temporary file in the same folder, then rename)."""
+    """Write one cache file atomically (``write_file_atomic``); a failure to write is a UserError naming it."""
     arrays = {name: t.float().cpu().numpy() for name, t in outputs.items()}
     arrays[CACHE_KEY] = np.array(key)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        write_file_atomic(path, lambda f: np.savez(f, **arrays))
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write the text encoder output cache ({exc.strerror or exc}); free some "
+                        "space or make the folder writable, or use --cache_text_encoder_outputs (in RAM)") from None

@@ -1,6 +1,11 @@
 """The model stage: load the model of the run's family offline, freeze and cast it by the precision policy, set
 attention and gradient checkpointing, store the frozen weights in fp8 (``--fp8_base``), cache latents with the VAE
 (and, for SDXL, the text encoders' outputs), and compile the UNet.
+
+What is cached is checked on the host as it is made (the encoders' outputs are on the CPU then anyway): NaN or Inf
+from the VAE or the text encoders stops the run (``UserError``) before any cache file holds it, as sd-scripts'
+``cache_batch_latents`` refuses NaN latents. Disk cache files are checked when they are validated
+(``library/data/latent_cache``, ``text_cache``; the text encoders' output shapes are measured here for that).
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from collections.abc import Callable
 
 import torch
 
+from library.base.errors import UserError
 from library.config import DataConfig, ModelConfig, PrecisionConfig, SDXLConfig
+from library.data.text_cache import ArrayNames
 from library.families.base import ModelFamily
 from library.families.fp8 import fp8_bytes, store_fp8
 from library.families.precision import PrecisionPolicy
@@ -136,6 +143,11 @@ def cache_latents(data, model: SDModel, policy: PrecisionPolicy, device: torch.d
     def encode(images: torch.Tensor) -> torch.Tensor:
         latents = vae.encode(images.to(device, policy.vae_dtype)).latent_dist.sample().float().cpu()
         release_cached_memory(device, highvram)
+        if not torch.isfinite(latents).all():  # on the CPU already: no extra wait for the device
+            fix = ("SDXL's VAE overflows in fp16: add --no_half_vae (or use a VAE fixed for fp16)"
+                   if policy.vae_dtype == torch.float16 else "check the VAE's weights (--vae)")
+            raise UserError(f"the VAE ({str(policy.vae_dtype).removeprefix('torch.')}) turned images into NaN/Inf "
+                            f"latents, which cannot be cached; {fix}")
         return latents
 
     # Identify the VAE by its weights (the first tensors are enough to tell VAEs apart) and dtype, so that a cache
@@ -177,14 +189,31 @@ def cache_text_encoder_outputs(data, model, family: ModelFamily, policy: Precisi
         with policy.autocast(device):
             cond = family.encode(model, captions, device, clip_skip=None, max_token_length=max_token_length,
                                  weighted=weighted)
-        return family.to_cache(cond)
+        outputs = family.to_cache(cond)  # float32 on the CPU
+        bad = [name for name, t in outputs.items() if not torch.isfinite(t).all()]
+        if bad:
+            raise UserError(f"the text encoders gave NaN/Inf ({', '.join(bad)}) for a batch of captions (the first: "
+                            f"{captions[0]!r}), which cannot be cached; fp16 can overflow: try --mixed_precision bf16 "
+                            "or no, or check the text encoders' weights")
+        return outputs
 
-    data.cache_text_encoder_outputs(encode, to_disk=sdxl.cache_text_encoder_outputs_to_disk,
-                                    encoder_id=module_id(*text_encoders), max_token_length=max_token_length,
-                                    names=family.cache_names, batch_size=batch_size, weighted=weighted,
-                                    share=share, wait=wait)
+    to_disk = sdxl.cache_text_encoder_outputs_to_disk
+    names = ArrayNames(family.cache_names, output_shapes(encode, device) if to_disk else None)
+    data.cache_text_encoder_outputs(encode, to_disk=to_disk, encoder_id=module_id(*text_encoders),
+                                    max_token_length=max_token_length, names=names, batch_size=batch_size,
+                                    weighted=weighted, share=share, wait=wait)
     for text_encoder in text_encoders:
         text_encoder.to("cpu")
+
+
+def output_shapes(encode: Callable[[list[str]], dict[str, torch.Tensor]],
+                  device: torch.device) -> dict[str, tuple[int, ...]]:
+    """The shape of each cached text encoder output for one caption, from encoding an empty one: every caption gives
+    the same, as the tokens are padded to ``--max_token_length`` (sd-scripts pads alike). Torch's random streams are
+    left as they were, so that the run trains the same as without the measurement."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        sample = encode([""])
+    return {name: tuple(t.shape[1:]) for name, t in sample.items()}
 
 
 def compile_unet(model: SDModel, precision: PrecisionConfig) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch.utils.data import Sampler
 
@@ -19,6 +20,7 @@ from library.base.errors import UserError
 
 INTERRUPTED = 130
 CRASHED = 1
+PEER_LOST = 4  # another process of the run is gone (killed, out of memory, its machine lost) or stopped answering
 
 
 @dataclass(frozen=True)
@@ -112,3 +114,21 @@ def report_lines(code: int, rank: int, messages: Sequence[str]) -> list[str]:
             [f"error: process {rank} failed; its traceback is in its own output"] if rank else [])
     return [f"error: {where}{message}" for message in messages]
 
+
+def lost_peer_lines(rank: int, world_size: int, failure: BaseException | None, checkpoint: Path | None) -> list[str]:
+    """The one line a process prints when a collective failed because another process is gone (exit ``PEER_LOST``),
+    in place of the backend's traceback (gloo: ``RuntimeError: ... Connection closed by peer``; ``... Timed out
+    waiting ...`` after ``--ddp_timeout``). A process that is killed reports nothing, so with 2 processes the lost one
+    is the other; with more, which one is not known here. Only the main process writes files, so only it can name
+    ``checkpoint``, the newest LoRA file the run saved (each is written atomically: a save cut short leaves it
+    intact)."""
+    who = f"process {1 - rank}" if world_size == 2 else "another process"
+    timed_out = failure is not None and "timed out" in str(failure).lower()
+    what = "stopped answering (--ddp_timeout ran out)" if timed_out else "stopped unexpectedly"
+    if rank != 0:
+        saved = f"the last checkpoint {'it' if world_size == 2 else 'the main process'} saved is intact"
+    elif checkpoint is not None:
+        saved = f"the last checkpoint, {checkpoint}, is intact"
+    else:
+        saved = "this run saved no checkpoint yet"
+    return [f"error: {who} {what}; {saved}"]

@@ -39,12 +39,11 @@ from __future__ import annotations
 import logging
 import math
 import random
-import signal
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,9 +52,19 @@ from torch.utils.data import Sampler
 
 from library.base.errors import Stopped, TrainingDiverged, UserError
 from library.config.distributed import DistributedConfig
-from library.runtime.process_info import CRASHED, INTERRUPTED, ProcessInfo, ShardedSampler, exit_code, report_lines
+from library.runtime.process_info import (
+    CRASHED,
+    INTERRUPTED,
+    PEER_LOST,
+    ProcessInfo,
+    ShardedSampler,
+    exit_code,
+    lost_peer_lines,
+    report_lines,
+)
 from library.runtime.process_info import shard_length as shard_length
 from library.runtime.process_info import shard_position as shard_position
+from library.runtime.process_signals import ProcessSignals
 from library.runtime.save_gate import SaveGate
 from library.train.gradient_reduce import GradientReducer
 
@@ -68,54 +77,6 @@ def _messages(exc: BaseException) -> list[str]:
     if isinstance(exc, (KeyboardInterrupt, TrainingDiverged)):
         return [str(exc)] if str(exc) else []
     return [f"{type(exc).__name__}: {exc}"]
-
-
-class _Signals:
-    """Ctrl-C / SIGTERM in a multi-process run: raised at once, except inside a sync point, where it waits until the
-    collective is done (a process leaving a collective half-way would leave the others waiting for it); a signal
-    that arrives before a sync point's exchange makes that exchange report the interruption."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.pending = False
-        self.previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self.previous[signum] = signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.depth:
-            self.pending = True
-            return
-        raise KeyboardInterrupt
-
-    def take_pending(self) -> bool:
-        pending, self.pending = self.pending, False
-        return pending
-
-    @contextmanager
-    def deferred(self) -> Iterator[None]:
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-        if not self.depth and self.take_pending():
-            raise KeyboardInterrupt
-
-    def ignore(self) -> None:
-        """After a stop everyone agreed on: the exit must not be cut short (torchrun signals the processes still
-        running when the first one exits)."""
-        for signum in self.previous:
-            signal.signal(signum, signal.SIG_IGN)
-
-    def restore(self) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        self.previous.clear()
 
 
 @dataclass
@@ -132,17 +93,21 @@ class Processes(SaveGate):
 
     A failure inside the ``with`` block of one process is reported to the others at their next sync point; every
     process then leaves with ``Stopped`` (or, for a crash, the original exception on the process where it happened).
+    A process that is gone (killed, out of memory, its machine lost) cannot report anything: the collective that
+    waits for it fails in the backend (gloo: ``RuntimeError: ... Connection closed by peer``), and every process that
+    meets that failure leaves with ``Stopped(PEER_LOST)``, whose one line names the last checkpoint (``checkpoint``).
     """
 
     info: ProcessInfo = field(default_factory=ProcessInfo)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _control: Any = None  # status exchanges and small values, on the CPU (gloo); the default group for tensors
     _owned: list = field(default_factory=list)  # groups this object created and destroys
-    _signals: _Signals = field(default_factory=_Signals)
+    _signals: ProcessSignals = field(default_factory=ProcessSignals)
     _stopping: bool = False
-    _broken: bool = False
+    _broken: RuntimeError | None = None  # the failure of a collective: the group is unusable
     _failures: dict[int, list[str]] = field(default_factory=dict)  # messages of the processes that failed
     rank_rngs: list[Any] = field(default_factory=list)  # the other processes' random states, at the last save
+    checkpoint: Callable[[], Path | None] = lambda: None  # the newest LoRA file the run saved (set by run.py)
 
     @property
     def rank(self) -> int:
@@ -166,18 +131,30 @@ class Processes(SaveGate):
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
-        if exc is None or not self.distributed or self._broken or isinstance(exc, Stopped) or self._stopping:
+        if exc is not None and self._broken is not None:
+            raise self._lost() from None
+        if exc is None or not self.distributed or isinstance(exc, Stopped) or self._stopping:
             self._close(failed=exc is not None)
             return False
         code = exit_code(exc)
         self._signals.ignore()
         try:
             codes = self._exchange(code=code, messages=_messages(exc))
+        except RuntimeError:
+            if self._broken is None:
+                raise
+            raise self._lost() from None  # a process is gone: that, not this failure, is what stops the run
         finally:
             self._close(failed=True)
         if code == CRASHED:
             return False  # the traceback of a crash is printed where it happened
         raise self._stopped(codes) from None
+
+    def _lost(self) -> Stopped:
+        """The stop of a process whose collective failed because another process is gone: one line (printed by
+        every process that meets it: the main one may be the process that is gone), not the backend's traceback."""
+        self._close(failed=True)
+        return Stopped(PEER_LOST, lost_peer_lines(self.rank, self.world_size, self._broken, self.checkpoint()))
 
     def _close(self, failed: bool) -> None:
         if not failed:
@@ -192,8 +169,9 @@ class Processes(SaveGate):
         """Run a collective; one that fails leaves the group unusable, so no failure is reported through it."""
         try:
             function(*args, **kwargs)
-        except RuntimeError:
-            self._broken = True
+        except RuntimeError as failure:
+            self._broken = failure
+            self._signals.ignore()  # torchrun's SIGTERM must not cut the report short
             raise
 
     def _exchange(self, *, code: int = 0, messages: Sequence[str] = ()) -> list[int]:

@@ -35,8 +35,8 @@ from library.families.registry import model_family
 from library.runtime import processes as process_group
 from library.runtime.fs_checks import check_folder, ensure_room_for_save
 from library.runtime.output import open_output
-from library.sampling.images import make_sample_hooks
-from library.sampling.prompts import SamplePlan, plan_samples
+from library.sampling.images import SAMPLE_FOLDER, make_sample_hooks
+from library.sampling.prompts import SamplePlan, check_sample_folder, plan_samples
 from library.saving.lora_files import OutputNames, Saver, make_save_hooks, save_dtype
 from library.saving.metadata import optimizer_description, thumbnail_data_url, training_metadata
 from library.saving.resume import (
@@ -177,7 +177,8 @@ def run(cfg: TrainConfig) -> RunResult | None:
         if ready is None:
             return None
         names = ready.names  # the output folder is taken before anything heavy loads; only the main process writes
-        with open_output(cfg.save.output_dir, names.last, names.owns) if processes.is_main else nullcontext():
+        subfolders = (SAMPLE_FOLDER,) if ready.samples else ()  # written into: a link there is refused first
+        with open_output(cfg.save.output_dir, names, subfolders) if processes.is_main else nullcontext():
             processes.sync()
             torch.manual_seed(ready.seed)  # the same on every process: random-weight models, the network's init
             random.seed(ready.seed)
@@ -196,6 +197,7 @@ def _prepare(cfg: TrainConfig, processes: process_group.Processes) -> Prepared |
     for line in process_group.describe_options(cfg.distributed, processes.info):
         log.info(line)
     samples = plan_samples(cfg.sample)
+    check_sample_folder(samples, cfg.save.output_dir)
     choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
     thumbnail = thumbnail_data_url(cfg.save.metadata_thumbnail)
     saved = read_state(cfg.save.resume) if cfg.save.resume else None
@@ -318,6 +320,7 @@ def _trainer(cfg: TrainConfig, ready: Prepared, models: Models, optimization: Op
         num_train_images=data.num_train_images, num_reg_images=data.num_reg_images,
         resolution=cfg.data.resolution or data.resolution, started=time.time())
     saver = Saver(Path(cfg.save.output_dir), cfg.save.save_model_as, save_dtype(cfg.save))
+    processes.checkpoint = lambda: saver.last_lora  # named if a process is lost
     tracker = Tracker(cfg.log if processes.is_main else LogConfig(), public_snapshot(cfg))
     batch_loss = BatchLoss(
         model=model, network=network, noise=cfg.noise, loss=cfg.loss, policy=models.policy, device=models.device,
