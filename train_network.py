@@ -8,7 +8,8 @@ Several GPUs or machines: ``accelerate launch --multi_gpu --num_processes N trai
 
 Exit codes: 0 done, 2 bad input (nothing written; also weights or a state holding NaN/Inf), 3 training diverged
 (the message names the last good LoRA: saved at the stop when the weights were still good, else the last file
-written before; no file ever holds NaN/Inf), 130 interrupted (the last saved checkpoint is intact); with several
+written before; no file ever holds NaN/Inf), 4 another process of the run stopped unexpectedly or stopped answering
+(one line names it and the last checkpoint), 130 interrupted (the last saved checkpoint is intact); with several
 processes every process exits with the code of the one that stopped the run.
 """
 

@@ -114,6 +114,16 @@ def test_exported_single_file_trains(tmp_path):
     assert meta["ss_vae_name"] == "vae" and "ss_vae_hash" not in meta
 
 
+def refused(capsys, args: list[str], *needles: str) -> str:
+    """Run ``train_network.main(args)``; it must exit 2 with every needle in stderr and no traceback."""
+    assert train_network.main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
 def _fails_cleanly(capsys, out: Path, args: list[str], needle: str) -> None:
     assert train_network.main(args) == 2
     assert needle in capsys.readouterr().err
