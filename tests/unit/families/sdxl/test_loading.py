@@ -11,7 +11,7 @@ from library.base.errors import UserError
 from library.families.sd.loading import load_sd_model
 from library.families.sd.single_file import read_state_dict
 from library.families.sdxl.loading import build_builtin_sdxl, load_sdxl_model
-from library.families.sdxl.single_file import TE2_PREFIX
+from library.families.sdxl.single_file import TE2_PREFIX, save_sdxl_checkpoint
 
 
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
@@ -75,6 +75,19 @@ def test_openclip_layout_by_hand(tiny_sdxl_dir):
     x = torch.randn(2, te2.config.hidden_size)
     assert torch.allclose(x @ state[TE2_PREFIX + "text_projection"], te2.text_projection(x), atol=1e-6)
     assert len([k for k in state if k.endswith(".attn.in_proj_weight")]) == 32
+
+
+def test_single_file_round_trip_is_exact(tiny_sdxl_dir, tmp_path):
+    """SGM file -> model -> SGM file gives every key back bit for bit: the transposed ``text_projection`` (read as
+    diffusers and SGM use it, README "deliberately differs") is written back in the file's own layout."""
+    original, _ = read_state_dict(tiny_sdxl_dir / "model.safetensors")
+    model = load_sdxl_model(str(tiny_sdxl_dir / "model.safetensors"))
+    save_sdxl_checkpoint(model, tmp_path / "again.safetensors", config_name="tiny-sdxl")
+    again, _ = read_state_dict(tmp_path / "again.safetensors")
+    assert sorted(again) == sorted(original)
+    assert [k for k in original if not torch.equal(original[k], again[k])] == []
+    projection = original[TE2_PREFIX + "text_projection"]
+    assert not torch.equal(projection, projection.t())  # a layout mistake would show
 
 
 def test_each_loader_refuses_the_other_family(tiny_sdxl_dir, tmp_path):
