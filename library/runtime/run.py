@@ -246,23 +246,23 @@ def _models(cfg: TrainConfig, ready: Prepared, processes: process_group.Processe
     """Load the model, apply the precision policy, attach the network and cache what can be cached."""
     device, family, data = processes.device, ready.family, ready.data
     policy = precision_policy(cfg.precision)
-    model = model_setup.load_model(cfg.model, cfg.precision, policy, device, family, cfg.sdxl)
-    network_setup.merge_base_weights(cfg.model, cfg.network.network_module, model, policy, family)
-    model_setup.store_frozen_fp8(model, policy, family)
+    model = model_setup.load_model(cfg.model, cfg.precision, policy, device, family=family, sdxl=cfg.sdxl)
+    network_setup.merge_base_weights(cfg.model, cfg.network.network_module, model, policy, family=family)
+    model_setup.store_frozen_fp8(model, policy, family=family)
     if cfg.noise.zero_terminal_snr:
         apply_zero_terminal_snr(model.noise_scheduler)
-    network, train_te = network_setup.build_network(cfg.network, model, policy, device, family)
+    network, train_te = network_setup.build_network(cfg.network, model, policy, device, family=family)
     processes.broadcast_from_main(list(network.state_dict().values()))  # one initialisation for all
     if processes.is_main:
         ensure_room_for_save(cfg.save.output_dir, network, save_dtype(cfg.save), cfg.save.save_state, "the LoRA")
     if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
-        model_setup.cache_latents(data, model, policy, device, cfg.data, cfg.model.highvram,
+        model_setup.cache_latents(data, model, policy, device, cfg.data, highvram=cfg.model.highvram,
                                   share=processes.owns_item, wait=processes.sync)
     if cfg.sdxl.cache_text_encoder_outputs or cfg.sdxl.cache_text_encoder_outputs_to_disk:
-        model_setup.cache_text_encoder_outputs(data, model, family, policy, device, cfg.sdxl,
-                                               cfg.model.max_token_length, cfg.data.train_batch_size,
-                                               cfg.model.weighted_captions, share=processes.owns_item,
-                                               wait=processes.sync)
+        model_setup.cache_text_encoder_outputs(
+            data, model, family, policy, device, cfg.sdxl, max_token_length=cfg.model.max_token_length,
+            batch_size=cfg.data.train_batch_size, weighted=cfg.model.weighted_captions, share=processes.owns_item,
+            wait=processes.sync)
     return Models(device=device, policy=policy, model=model, network=network, train_text_encoder=train_te)
 
 
@@ -289,9 +289,11 @@ def _optimization(cfg: TrainConfig, ready: Prepared, models: Models, processes: 
     params = [p for g in groups for p in g["params"]]
     reducer = processes.gradient_reducer(params, _stream_seed(seed, "gradient_reduce"),
                                          gradient_as_bucket_view=cfg.distributed.ddp_gradient_as_bucket_view)
-    state = TrainingState(network, optimizer, scheduler, noise_generator, accumulation, loss_scale, seed, ready.route,
-                          public_snapshot(cfg), host_generator, rank=processes.rank,
-                          other_ranks=lambda: processes.rank_rngs, reducer=reducer if processes.distributed else None)
+    state = TrainingState(
+        network=network, optimizer=optimizer, scheduler=scheduler, noise_generator=noise_generator,
+        accumulation=accumulation, loss_scale=loss_scale, seed=seed, trajectory=ready.route,
+        config=public_snapshot(cfg), host_generator=host_generator, rank=processes.rank,
+        other_ranks=lambda: processes.rank_rngs, reducer=reducer if processes.distributed else None)
     if cfg.save.save_state or cfg.save.save_state_on_train_end:
         state.check_storable()
     if ready.saved is not None:
@@ -318,7 +320,8 @@ def _trainer(cfg: TrainConfig, ready: Prepared, models: Models, optimization: Op
         optimizer_name=optimizer_description(optimization.optimizer, ready.choice.options),
         stochastic_rounding=optimizer_setup.rounds_stochastically(ready.choice, models.policy),
         num_train_images=data.num_train_images, num_reg_images=data.num_reg_images,
-        resolution=cfg.data.resolution or data.resolution, started=time.time())
+        resolution=cfg.data.resolution or data.resolution, started=time.time(),
+        text_encoder_lr=network_setup.text_encoder_lr(network, cfg.optimizer))
     saver = Saver(Path(cfg.save.output_dir), cfg.save.save_model_as, save_dtype(cfg.save))
     processes.checkpoint = lambda: saver.last_lora  # named if a process is lost
     tracker = Tracker(cfg.log if processes.is_main else LogConfig(), public_snapshot(cfg))
@@ -330,14 +333,16 @@ def _trainer(cfg: TrainConfig, ready: Prepared, models: Models, optimization: Op
         host_generator=optimization.host_generator)
     model_setup.compile_unet(model, cfg.precision)
     samples = make_sample_hooks(
-        ready.samples if processes.is_main else None, model, network, models.policy, models.device,
-        Path(cfg.save.output_dir), cfg.save.output_name, tracker, clip_skip=cfg.model.clip_skip, family=family,
-        max_token_length=cfg.model.max_token_length)
-    validation = build_validation(data.validation, cfg.validation, batch_loss,
-                                  (network, *family.text_encoders(model), model.unet), ready.plan.max_train_steps)
+        ready.samples if processes.is_main else None, model=model, network=network, policy=models.policy,
+        device=models.device, output_dir=Path(cfg.save.output_dir), output_name=cfg.save.output_name,
+        tracker=tracker, clip_skip=cfg.model.clip_skip, family=family, max_token_length=cfg.model.max_token_length)
+    validation = build_validation(data.validation, cfg.validation, batch_loss=batch_loss,
+                                  modules=(network, *family.text_encoders(model), model.unet),
+                                  max_train_steps=ready.plan.max_train_steps)
     state = optimization.state
-    saves = processes.gate_saves(make_save_hooks(saver, ready.names, network, state.capture, meta, cfg.save,
-                                                 ready.plan.num_epochs), optimization.updater.params, state.rng)
+    save_hooks = make_save_hooks(saver, ready.names, network=network, capture=state.capture, metadata=meta,
+                                 cfg=cfg.save, num_epochs=ready.plan.num_epochs)
+    saves = processes.gate_saves(save_hooks, optimization.updater.params, state.rng)
     return Trainer(
         data=data, plan=ready.plan, start=ready.start, batch_loss=batch_loss, updater=optimization.updater,
         saver=saver, saves=saves, samples=samples, validation=validation, tracker=tracker,
