@@ -96,8 +96,10 @@ class TextOutputStore:
         return self.ram[key] if key in self.ram else text_cache.read(self.disk[key], self.names)
 
 
-def epoch_order(datasets: list[PreparedDataset], seed: int,
-                epoch: int) -> tuple[list[BatchRef], list[list[list[int]]]]:
+Plan = tuple[list[BatchRef], list[list[list[int]]]]  # batches in order; each dataset's buckets' members in order
+
+
+def epoch_order(datasets: list[PreparedDataset], seed: int, epoch: int) -> Plan:
     """The batches of one epoch in order, and each bucket's members in their shuffled order.
 
     Each bucket's members are shuffled, then the list of all batches, with ``random.Random(seed + epoch)``."""
@@ -126,14 +128,15 @@ class BatchSource(Dataset):
         self.prior_loss_weight = prior_loss_weight
         self.latents = latents
         self.text_outputs = text_outputs if text_outputs is not None else TextOutputStore()
-        self._plan: tuple[int, tuple[list[BatchRef], list[list[list[int]]]]] | None = None
+        self.order: Callable[..., Plan] = epoch_order  # (datasets, seed, epoch) -> plan; see train/validation.py
+        self._plan: tuple[tuple[int, Callable[..., Plan]], Plan] | None = None
 
     def __len__(self) -> int:
         return sum(ds.batch_count() for ds in self.datasets)
 
-    def plan(self, epoch: int) -> tuple[list[BatchRef], list[list[list[int]]]]:
-        if self._plan is None or self._plan[0] != epoch:
-            self._plan = (epoch, epoch_order(self.datasets, self.seed, epoch))
+    def plan(self, epoch: int) -> Plan:
+        if self._plan is None or self._plan[0] != (epoch, self.order):
+            self._plan = ((epoch, self.order), self.order(self.datasets, self.seed, epoch))
         return self._plan[1]
 
     def __getitem__(self, key: BatchKey) -> dict:

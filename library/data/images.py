@@ -3,17 +3,20 @@
 Differences from sd-scripts, on purpose:
 * the EXIF orientation tag is applied (sd-scripts ignores it, so phone photos train sideways); sizes, buckets and
   cache file names use the upright size;
-* extensions match case-insensitively (sd-scripts globs ``.png`` and ``.PNG`` but not ``.Png``);
 * the "face-detect" caption stem (drop the last four ``_`` tokens when there are at least five) is taken from the
   file name only; sd-scripts splits the whole path, so underscores in folder names count;
 * the pixel limit is ``--max_image_pixels`` (default PIL's own), checked from the file's header when the dataset is
   scanned, so an image over it is named with the flag before anything is decoded (PIL raises its
   ``DecompressionBombError`` as a traceback in sd-scripts); images are then opened with PIL's check lifted, since
   the scan has applied the limit the user chose.
+
+Images are found as sd-scripts finds them (``list_images``), so the same files train and are held out.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +28,9 @@ from library.base.errors import UserError
 from library.config.data import PIL_PIXEL_LIMIT
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# sd-scripts' train_util.IMAGE_EXTENSIONS (48d368fa) without its plug-in formats: each extension in lower and in
+# upper case, nothing else (".Png" is not an image to it)
+GLOB_EXTENSIONS = IMAGE_EXTENSIONS + tuple(ext.upper() for ext in IMAGE_EXTENSIONS)
 INFO_CACHE_FILE = "metadata_cache.json"  # library/data/info_cache.py
 
 # EXIF orientations 5..8 rotate by 90 degrees, so width and height swap.
@@ -44,8 +50,17 @@ class CaptionProblem(Exception):
 
 
 def list_images(folder: str | Path) -> list[Path]:
-    """Image files directly inside ``folder``, sorted by path (as sd-scripts' ``glob_images``)."""
-    return sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    """Image files directly inside ``folder``, as sd-scripts' ``glob_images(folder, "*")`` (48d368fa) lists them.
+
+    It globs ``*<ext>`` for each of ``GLOB_EXTENSIONS``, so an extension counts in lower or upper case only
+    (``a.PNG``, not ``a.Png``; glob follows the file system's case rule, so on Windows any case) and names starting
+    with ``.`` are skipped (glob's ``*`` does not match them: macOS' ``._a.png`` AppleDouble files, hidden files);
+    the paths, without repeats, are sorted as strings. Difference, on purpose: what is not a file (a folder named
+    ``x.png``, a dangling link) is left out instead of failing when it is opened.
+    """
+    pattern = os.path.join(glob.escape(str(folder)), "*")
+    names = {os.path.basename(p) for ext in GLOB_EXTENSIONS for p in glob.glob(pattern + ext)}
+    return [Path(folder) / name for name in sorted(names) if (Path(folder) / name).is_file()]
 
 
 def caption_candidates(image_path: Path, extension: str) -> list[Path]:

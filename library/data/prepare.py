@@ -39,7 +39,7 @@ from library.data.images import (
 from library.data.in_json import read_metadata_subset
 from library.data.limits import ScanLimits, cut_long_captions, epoch_size_problem, repeats_problem, warn_cut_captions
 from library.data.masks import match_mask_images
-from library.data.split import Part, split_part, split_report
+from library.data.split import Part, entries_of_part, split_report
 
 logger = logging.getLogger(__name__)
 
@@ -266,13 +266,13 @@ def _bucket_limits(spec: DatasetSpec, errors: list[str]) -> tuple[int | None, in
 
 def _split_found(found: list[tuple[str, str, tuple[int, int]]], sub: SubsetSpec, split: float, seed: int,
                  part: Part) -> list[tuple[str, str, tuple[int, int]]]:
-    """The scanned images of a DreamBooth folder that belong to ``part``; the split is drawn over the whole folder
-    listing (unreadable images included), as sd-scripts splits before it opens any image."""
+    """The scanned images of a DreamBooth folder that belong to ``part``, in sd-scripts' order for the validation
+    part (``split.entries_of_part``); the split is drawn over the whole folder listing (unreadable images
+    included), as sd-scripts splits before it opens any image."""
     listing = [str(path) for path in list_images(sub.image_dir)]
     if part == "train" and (overlap := split_report(sub.location, len(listing), split)):
         logger.warning(overlap)
-    chosen = set(split_part(listing, split, seed, part))
-    return [entry for entry in found if entry[0] in chosen]
+    return entries_of_part(found, listing, split, seed, part)
 
 
 def prepare_dataset(spec: DatasetSpec, report: ScanReport, part: Part = "train", split_seed: int = 0,

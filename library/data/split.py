@@ -19,6 +19,7 @@ import random
 from typing import Literal, TypeVar
 
 T = TypeVar("T")
+Entry = TypeVar("Entry", bound=tuple)
 Part = Literal["train", "validation"]
 
 
@@ -33,6 +34,23 @@ def split_part(items: list[T], split: float, seed: int, part: Part) -> list[T]:
     random.Random(seed).shuffle(order)
     train, held_out = split_counts(len(order), split)
     return order[:train] if part == "train" else order[len(order) - held_out:]
+
+
+def entries_of_part(found: list[Entry], listing: list[str], split: float, seed: int, part: Part) -> list[Entry]:
+    """The entries of ``found`` (scanned images, each a tuple whose first field is a path of ``listing``, the
+    folder's sorted listing) that are in ``part``.
+
+    The validation part comes in the split's shuffled order: sd-scripts' ``split_train_val`` returns
+    ``paths[split:]`` of the shuffled list and the validation dataset registers its images in that order, which is
+    the order they fill its buckets in. The training part keeps the order of ``found`` (folder order; its batch
+    order is this trainer's own, ``library/data/batches.py``).
+    """
+    chosen = split_part(listing, split, seed, part)
+    if part == "train":
+        kept = set(chosen)
+        return [entry for entry in found if entry[0] in kept]
+    by_path = {entry[0]: entry for entry in found}
+    return [by_path[path] for path in chosen if path in by_path]
 
 
 def split_report(location: str, count: int, split: float) -> str | None:

@@ -12,15 +12,17 @@ update when ``--validate_every_n_steps`` divides the step, and at the end of eve
 Here the noise comes from a generator of its own, made afresh from the seed at each validation, and the batches are
 read without a DataLoader, so the training generators are never touched: a run that validates trains exactly as one
 that does not. The network, text encoder and UNet are put in eval mode (no dropout) and each submodule gets back
-the mode it had. The batches of every validation are the same (epoch 1's order and augmentations, keyed by the
-validation seed). Difference, on purpose: sd-scripts' ``loss/validation/step_average`` keeps averaging over every
-validation of the first epoch (its ``LossRecorder`` appends during epoch 0 and overwrites by index afterwards);
-here each logged value is the mean of that validation alone.
+the mode it had. The batches of every validation are the same: the held-out images in the order sd-scripts visits
+them (``held_out_order``), with epoch 1's augmentations keyed by the validation seed. Difference, on purpose:
+sd-scripts' ``loss/validation/step_average`` keeps averaging over every validation of the first epoch (its
+``LossRecorder`` appends during epoch 0 and overwrites by index afterwards); here each logged value is the mean of
+that validation alone.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -29,7 +31,9 @@ import numpy as np
 import torch
 
 from library.config import ValidationConfig
+from library.data.batches import BatchRef, Plan
 from library.data.dataset import TrainData
+from library.data.prepare import PreparedDataset
 from library.train.batch_loss import BatchLoss
 from library.train.position import Position
 from library.train.tracking import validation_scalars
@@ -45,6 +49,37 @@ def validation_timesteps(min_timestep: int | None, max_timestep: int | None,
     low = 0 if min_timestep is None else min_timestep
     high = num_train_timesteps if max_timestep is None else max_timestep
     return [int(t) for t in np.linspace(low, high, NUM_VALIDATION_TIMESTEPS + 2, dtype=int)[1:-1]]
+
+
+def held_out_order(datasets: list[PreparedDataset], seed: int = 0, epoch: int = 0) -> Plan:
+    """The batches of the held-out images in the order sd-scripts 48d368fa's validation visits them (a
+    ``BatchSource`` order; ``seed`` and ``epoch`` change nothing).
+
+    Each validation dataset's ``make_buckets`` fills its buckets (sorted by resolution) with its images in their
+    registered order (the split's, ``library/data/split.py``) and calls ``shuffle_buckets`` while the dataset's
+    seed and epoch are still 0: ``random.seed(0)``, then ``random.shuffle`` of its (bucket, batch) list, then of
+    each bucket's members. Nothing shuffles it again in the trainer's process: ``val_dataloader`` reads it in
+    order (``shuffle=False``) and the collator sets the epoch of the training datasets, so this is the order of
+    every validation with ``--max_data_loader_n_workers 0``. (With workers, each worker's copy is reshuffled to the
+    current epoch's order after the first batch it loads, so sd-scripts can visit an image twice and miss
+    another.) The datasets follow each other, as in its ``DatasetGroup``.
+    """
+    refs: list[BatchRef] = []
+    members: list[list[list[int]]] = []
+    for d, ds in enumerate(datasets):
+        rng = random.Random(0)  # random.seed(self.seed + self.current_epoch), both 0
+        size = ds.spec.batch_size
+        batches = [BatchRef(d, b, start) for b, (_, bucket) in enumerate(ds.buckets)
+                   for start in range(0, len(bucket), size)]
+        rng.shuffle(batches)
+        shuffled = []
+        for _, bucket in ds.buckets:
+            order = list(bucket)
+            rng.shuffle(order)
+            shuffled.append(order)
+        refs.extend(batches)
+        members.append(shuffled)
+    return refs, members
 
 
 @contextmanager
@@ -127,6 +162,7 @@ def build_validation(data: TrainData | None, cfg: ValidationConfig, batch_loss: 
             log.warning("%s: there are no validation images, so nothing is validated; hold some out with "
                         "--validation_split (or validation_split in the dataset config)", ", ".join(given))
         return None
+    data.source.order = held_out_order
     noise = batch_loss.noise
     steps = validation_timesteps(noise.min_timestep, noise.max_timestep,
                                  batch_loss.model.noise_scheduler.config.num_train_timesteps)
