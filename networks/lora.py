@@ -13,8 +13,10 @@ convs get conv_dim/conv_alpha and Linear / 1x1 convs the linear dim/alpha. Keys:
 ``lora_te_text_model_<path>`` (``text_model`` kept for transformers 5, whose CLIPTextModel lost that submodule), each
 with ``.lora_down.weight``, ``.lora_up.weight`` and a 0-dim ``.alpha``; files load in diffusers, ComfyUI and A1111.
 SDXL (told by the U-Net, ``networks/families.py``): original-layout U-Net names, ``lora_te1_`` / ``lora_te2_`` for
-the two text encoders, 23 blocks for block dims / LR weights, and one learning rate per text encoder
-(``prepare_optimizer_params_with_multiple_te_lrs``; one value serves both, as upstream).
+the two text encoders, 23 blocks for block dims / LR weights. Text encoder learning rates as upstream's
+``networks.lora``: one "textencoder" group for both encoders (this network has no
+``prepare_optimizer_params_with_multiple_te_lrs``, so sd-scripts' trainer hands it one value); the trainer's
+extension, one group per encoder, is asked for by passing ``prepare_optimizer_params`` two or more values.
 
 Reading and writing the files (§9.7: atomic, with sd-scripts' ``sshs_model_hash`` / ``sshs_legacy_hash``) is
 ``networks/lora_format.py``; the modules and the search for the layers they wrap are ``networks/lora_modules.py``.
@@ -176,42 +178,42 @@ class LoRANetwork(nn.Module):
                 weight.copy_(merged.to(dtype or weight.dtype))
         logger.info("LoRA weights merged")
 
+    def text_encoder_prefixes(self) -> list[str]:
+        """The key prefixes of the text encoders this network has modules for, in order: ``lora_te`` (SD 1.x/2.x),
+        ``lora_te1`` and ``lora_te2`` (SDXL); none when the text encoders are not trained."""
+        return sorted({lora.lora_name.split("_text_model_")[0] for lora in self.text_encoder_loras})
+
     def prepare_optimizer_params(
         self, text_encoder_lr: float | Sequence[float] | None, unet_lr: float | None, default_lr: float | None
     ) -> tuple[list[dict[str, Any]], list[str]]:
-        """Param groups and their names (sd-scripts §5).
+        """Param groups and their names, as upstream's ``networks.lora`` ``LoRANetwork.prepare_optimizer_params``
+        (sd-scripts 48d368fa).
 
-        Text encoder group at ``text_encoder_lr`` (else ``default_lr``), U-Net group at ``unet_lr`` (else
-        ``default_lr``), per block (``unet_block<i>``) when block LR weights are set. LoRA+ moves every ``lora_up``
-        into a "plus" group at lr x ratio. A group whose LR is 0 or None is dropped (it will not train). Only the
-        first of several text encoder LRs is used here, as upstream's ``networks.lora``.
+        One "textencoder" group holding the modules of every text encoder (SDXL: both, in the order te1, te2) at
+        ``text_encoder_lr`` (else ``default_lr``), a "unet" group at ``unet_lr`` (else ``default_lr``), or one
+        ``unet_block<i>`` group per block when block LR weights are set. LoRA+ moves every ``lora_up`` into a
+        "... plus" group at lr x ratio. A group whose LR is 0 or None is dropped (it will not train).
+
+        This trainer's extension: a sequence of two or more values, on a network with modules of two text encoders
+        (SDXL), gives one group per encoder, "textencoder 1" at the first value and "textencoder 2" at the second;
+        any other sequence counts as its first value (none: ``default_lr``).
         """
-        if isinstance(text_encoder_lr, Sequence):
-            text_encoder_lr = text_encoder_lr[0] if text_encoder_lr else None
-        return self.prepare_optimizer_params_with_multiple_te_lrs(
-            [] if text_encoder_lr is None else [text_encoder_lr], unet_lr, default_lr)
-
-    def prepare_optimizer_params_with_multiple_te_lrs(
-        self, text_encoder_lr: Sequence[float], unet_lr: float | None, default_lr: float | None
-    ) -> tuple[list[dict[str, Any]], list[str]]:
-        """``prepare_optimizer_params`` with one ``--text_encoder_lr`` value per text encoder (SDXL: groups
-        "textencoder 1" and "textencoder 2"); one value serves every encoder, none means ``default_lr``, as
-        sd-scripts' multi-encoder networks (``networks/lora_flux.py``). With one text encoder only the first value
-        counts (group "textencoder")."""
         self.requires_grad_(True)
-        lrs = list(text_encoder_lr) or [default_lr]
-        u_lr = unet_lr if unet_lr is not None else default_lr
+        lrs = [text_encoder_lr] if not isinstance(text_encoder_lr, Sequence) else list(text_encoder_lr) or [None]
+        lrs = [default_lr if lr is None else lr for lr in lrs]
+        prefixes = self.text_encoder_prefixes()
         a = self.args
         groups: list[dict[str, Any]] = []
         names: list[str] = []
         te_ratio = a.loraplus_text_encoder_lr_ratio or a.loraplus_lr_ratio
         unet_ratio = a.loraplus_unet_lr_ratio or a.loraplus_lr_ratio
-        by_encoder: dict[str, list[LoRAModule]] = {}
-        for lora in self.text_encoder_loras:
-            by_encoder.setdefault(lora.lora_name.split("_text_model_")[0], []).append(lora)
-        for i, prefix in enumerate(sorted(by_encoder)):
-            label = "textencoder" if prefix == LORA_PREFIX_TEXT_ENCODER else f"textencoder {i + 1}"
-            _add_groups(groups, names, label, by_encoder[prefix], lrs[min(i, len(lrs) - 1)], te_ratio)
+        if len(lrs) > 1 and len(prefixes) > 1:
+            for i, prefix in enumerate(prefixes):
+                loras = [m for m in self.text_encoder_loras if m.lora_name.startswith(prefix + "_text_model_")]
+                _add_groups(groups, names, f"textencoder {i + 1}", loras, lrs[min(i, len(lrs) - 1)], te_ratio)
+        else:
+            _add_groups(groups, names, "textencoder", self.text_encoder_loras, lrs[0], te_ratio)
+        u_lr = unet_lr if unet_lr is not None else default_lr
         if self.block_lr_weight is None:
             _add_groups(groups, names, "unet", self.unet_loras, u_lr, unet_ratio)
         else:

@@ -27,6 +27,10 @@ from library.train.steps import StepPlan
 # sd-scripts keeps only these under --no_metadata.
 MINIMAL_KEYS = ("ss_v2", "ss_base_model_version", "ss_network_module", "ss_network_dim", "ss_network_alpha",
                 "ss_network_args")
+# ss_sd_scripts_commit_hash and modelspec.implementation_version. sd-scripts writes its git commit (40 hex digits,
+# or "(unknown)" outside a checkout) and "sd-scripts/<commit>"; the readers (A1111's and ComfyUI's metadata views,
+# civitai) only display them. Both carry this value, in upstream's "<implementation>/<version>" form, which cannot be
+# taken for an sd-scripts commit (this checkout's own commit, 40 hex digits too, would be).
 PROJECT_VERSION = "sd-scripts-bf16/0.1"
 # The --metadata_* flags that become modelspec.<name> entries (sd-scripts' add_model_spec_arguments; title apart).
 SPEC_FLAGS = ("author", "description", "license", "tags", "usage_hint", "thumbnail", "merged_from", "trigger_phrase",
@@ -142,7 +146,8 @@ def model_identity(value: str, kind: str) -> dict[str, str]:
 
 
 def _run_entries(cfg: TrainConfig, plan: StepPlan, ids: ModelIds, *, seed: int, stochastic_rounding: bool,
-                 num_train_images: int, num_reg_images: int, started: float) -> dict[str, str]:
+                 num_train_images: int, num_reg_images: int, started: float,
+                 text_encoder_lr: float | list[float] | None) -> dict[str, str]:
     """The first half of sd-scripts' ``ss_*`` entries, in its order: the run, its schedule, precision and model."""
     m, d, o, sc, p = cfg.model, cfg.data, cfg.optimizer, cfg.schedule, cfg.precision
     return {
@@ -150,7 +155,7 @@ def _run_entries(cfg: TrainConfig, plan: StepPlan, ids: ModelIds, *, seed: int, 
         "ss_training_started_at": _s(started),
         "ss_output_name": _s(cfg.save.output_name),
         "ss_learning_rate": _s(o.learning_rate),
-        "ss_text_encoder_lr": _s(o.text_encoder_lr or None),
+        "ss_text_encoder_lr": _s(text_encoder_lr),
         "ss_unet_lr": _s(o.unet_lr),
         "ss_num_train_images": _s(num_train_images),
         "ss_num_reg_images": _s(num_reg_images),
@@ -218,7 +223,7 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, ids: ModelIds, *, seed: 
                       dataset_meta: dict[str, str],
                       network_meta: dict[str, str], optimizer_name: str, stochastic_rounding: bool,
                       num_train_images: int, num_reg_images: int, resolution: tuple[int, int],
-                      started: float) -> Metadata:
+                      started: float, text_encoder_lr: float | list[float] | None = None) -> Metadata:
     """Everything sd-scripts writes at the start of training (``ss_steps``/``ss_epoch`` come at save time).
 
     ``ids`` are the model family's names of the base model (``ModelFamily.model_ids``). ``seed`` is the run's seed,
@@ -228,11 +233,19 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, ids: ModelIds, *, seed: 
     ``ss_num_batches_per_epoch`` is each process's share (sd-scripts writes the length of its accelerate-sharded
     loader), ``ss_num_epochs`` and ``ss_max_train_steps`` count updates, which every process makes together. The
     model (and ``--vae``) name and hashes: ``model_identity``.
+
+    ``text_encoder_lr`` is the value the network was given (``network_setup.text_encoder_lr``), written as
+    sd-scripts writes its ``text_encoder_lr``: ``str()`` of a number, of a list for a network given one value per
+    text encoder, "None" when no ``--text_encoder_lr`` was given. Left out, it is the first ``--text_encoder_lr``
+    value, what sd-scripts hands a network without ``prepare_optimizer_params_with_multiple_te_lrs``.
     """
     m = cfg.model
+    if text_encoder_lr is None and cfg.optimizer.text_encoder_lr:
+        text_encoder_lr = cfg.optimizer.text_encoder_lr[0]
     meta = {
         **_run_entries(cfg, plan, ids, seed=seed, stochastic_rounding=stochastic_rounding,
-                       num_train_images=num_train_images, num_reg_images=num_reg_images, started=started),
+                       num_train_images=num_train_images, num_reg_images=num_reg_images, started=started,
+                       text_encoder_lr=text_encoder_lr),
         **_method_entries(cfg, optimizer_name),
         **dataset_meta,
         **network_meta,

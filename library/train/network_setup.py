@@ -20,6 +20,7 @@ from library.families.sd.parts import SDModel
 from library.train.finite import refuse_non_finite
 from networks import NETWORK_MODULE_ALIASES
 from networks.args import network_metadata
+from networks.lora import LoRANetwork
 from networks.lora_format import load_weights_file
 
 log = logging.getLogger(__name__)
@@ -226,15 +227,70 @@ def parse_network_args(items: list[str]) -> dict[str, str]:
     return kwargs
 
 
+MULTIPLE_TE_LRS = "prepare_optimizer_params_with_multiple_te_lrs"
+
+
+def text_encoder_lr(network, cfg: OptimizerConfig) -> float | list[float] | None:
+    """The ``text_encoder_lr`` that sd-scripts' ``train_network.py`` (48d368fa, "make backward compatibility for
+    text_encoder_lr") hands the network and writes as ``ss_text_encoder_lr``: a network with
+    ``prepare_optimizer_params_with_multiple_te_lrs`` gets the ``--text_encoder_lr`` list, any other network
+    (upstream's ``networks.lora``, LyCORIS) its first value, None when the flag is not given.
+
+    This trainer's extension (``per_encoder_lrs``): ``networks.lora`` (and ``networks.lora_fa``) with modules of two
+    text encoders and two different values gets both, one per encoder.
+    """
+    lrs = list(cfg.text_encoder_lr)
+    if hasattr(network, MULTIPLE_TE_LRS):
+        return lrs or None
+    per_encoder = per_encoder_lrs(network, lrs)
+    if per_encoder is not None:
+        return per_encoder
+    return lrs[0] if lrs else None
+
+
+def per_encoder_lrs(network, lrs: list[float]) -> list[float] | None:
+    """One learning rate per text encoder where this trainer gives it (upstream would use the first value only):
+    a ``networks.lora`` network with modules of several text encoders (SDXL) and values that differ among the first
+    of them; None otherwise (equal values train as upstream's single group, with the same numbers)."""
+    if not isinstance(network, LoRANetwork):
+        return None
+    used = lrs[: len(network.text_encoder_prefixes())]
+    return used if len(set(used)) > 1 else None
+
+
+def text_encoder_lr_warnings(network, cfg: OptimizerConfig) -> list[str]:
+    """Where ``--text_encoder_lr`` values would train otherwise in sd-scripts, or are not used."""
+    lrs = list(cfg.text_encoder_lr)
+    if hasattr(network, MULTIPLE_TE_LRS) or len(set(lrs)) < 2 or not getattr(network, "text_encoder_loras", None):
+        return []
+    given = " ".join(str(lr) for lr in lrs)
+    used = per_encoder_lrs(network, lrs)
+    if used is None:
+        encoders = len(network.text_encoder_prefixes()) if isinstance(network, LoRANetwork) else 0
+        if encoders > 1:  # equal values for the encoders and more after them
+            return [f"--text_encoder_lr {given}: both text encoders train at {lrs[0]}; the values after the "
+                    f"first {encoders} are not used"]
+        which = "this model has one text encoder" if encoders else "this network takes one text encoder learning rate"
+        return [f"--text_encoder_lr {given}: {which}: the first value, {lrs[0]}, is used and the others are not "
+                "(as sd-scripts)"]
+    unused = f"; {' '.join(str(lr) for lr in lrs[len(used):])} not used" if len(lrs) > len(used) else ""
+    return [f"--text_encoder_lr {given}: text encoder 1 trains at {used[0]}, text encoder 2 at {used[1]} (groups "
+            f"'textencoder 1' and 'textencoder 2'){unused}. This is an extension of this trainer: sd-scripts with "
+            f"networks.lora would train both text encoders at the first value, {lrs[0]} (one group, lr/textencoder)"]
+
+
 def param_groups(network, cfg: OptimizerConfig) -> tuple[list[dict], list[str]]:
-    """The network's optimizer parameter groups and their names. As sd-scripts' ``train_network.py``: a network
-    with ``prepare_optimizer_params_with_multiple_te_lrs`` gets every ``--text_encoder_lr`` value (one per text
-    encoder), any other network the first one."""
-    te_lrs = list(cfg.text_encoder_lr)
-    if hasattr(network, "prepare_optimizer_params_with_multiple_te_lrs"):
-        result = network.prepare_optimizer_params_with_multiple_te_lrs(te_lrs, cfg.unet_lr, cfg.learning_rate)
+    """The network's optimizer parameter groups and their names, as sd-scripts' ``train_network.py``: a network with
+    ``prepare_optimizer_params_with_multiple_te_lrs`` gets every ``--text_encoder_lr`` value through it, any other
+    network ``prepare_optimizer_params`` with ``text_encoder_lr`` (the first value, or this trainer's per-encoder
+    values); the warnings of ``text_encoder_lr_warnings`` are logged."""
+    for line in text_encoder_lr_warnings(network, cfg):
+        log.warning(line)
+    te_lr = text_encoder_lr(network, cfg)
+    if hasattr(network, MULTIPLE_TE_LRS):
+        result = network.prepare_optimizer_params_with_multiple_te_lrs(te_lr, cfg.unet_lr, cfg.learning_rate)
     else:
-        result = network.prepare_optimizer_params(te_lrs[0] if te_lrs else None, cfg.unet_lr, cfg.learning_rate)
+        result = network.prepare_optimizer_params(te_lr, cfg.unet_lr, cfg.learning_rate)
     if isinstance(result, tuple):
         return result
     return result, [f"group{i}" for i in range(len(result))]

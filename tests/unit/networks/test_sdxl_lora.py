@@ -74,14 +74,14 @@ def test_block_counts_are_sdxl_ones(tiny):
 
 def test_one_learning_rate_per_text_encoder(tiny):
     net = lora.create_network(1.0, 4, 1, tiny.vae, tiny.text_encoders, tiny.unet)
-    groups, names = net.prepare_optimizer_params_with_multiple_te_lrs([1e-5, 2e-5], 3e-4, 1e-4)
+    groups, names = net.prepare_optimizer_params([1e-5, 2e-5], 3e-4, 1e-4)  # this trainer's extension
     assert names == ["textencoder 1", "textencoder 2", "unet"]
     assert [g["lr"] for g in groups] == [1e-5, 2e-5, 3e-4]
     assert [len(g["params"]) for g in groups] == [72 * 2, 192 * 2, 722 * 2]
-    groups, _ = net.prepare_optimizer_params_with_multiple_te_lrs([1e-5], None, 1e-4)
-    assert [g["lr"] for g in groups] == [1e-5, 1e-5, 1e-4]  # one value serves both, as upstream
-    groups, _ = net.prepare_optimizer_params(5e-5, None, 1e-4)
-    assert [g["lr"] for g in groups] == [5e-5, 5e-5, 1e-4]
+    for one in ([5e-5], 5e-5):  # upstream: one "textencoder" group for both encoders
+        groups, names = net.prepare_optimizer_params(one, None, 1e-4)
+        assert names == ["textencoder", "unet"] and [g["lr"] for g in groups] == [5e-5, 1e-4]
+        assert [len(g["params"]) for g in groups] == [(72 + 192) * 2, 722 * 2]
 
 
 LORA_CLIP_MAP = ("mlp_fc1", "mlp_fc2", "self_attn_k_proj", "self_attn_q_proj", "self_attn_v_proj",
