@@ -1,5 +1,5 @@
-# Two commands: `make demo` trains the demo LoRA (and draws its report picture), `make test` runs the test suite;
-# `make demo-sdxl` trains the SDXL demo LoRA with sdxl_train_network.py.
+# Two commands: `make demo` trains the demo LoRA (and draws its report picture, with its sample images), `make test`
+# runs the test suite; `make demo-sdxl` trains the SDXL demo LoRA with sdxl_train_network.py.
 # Both (re)create .venv from requirements.txt when it is missing or requirements.txt changed.
 
 PYTHON ?= python3
@@ -21,7 +21,8 @@ $(STAMP): requirements.txt
 
 demo: $(STAMP)
 	$(PY) train_network.py --config_file configs/demo.toml
-	$(PY) -m bench.report output/demo/logs --samples output/demo/sample --out output/demo/demo_lora_report.png
+	$(PY) -m library.report output/demo/logs --samples output/demo/sample --prompts configs/demo_prompts.txt \
+		--out output/demo/demo_lora_report.png
 
 demo-sdxl: $(STAMP)
 	$(PY) sdxl_train_network.py --config_file configs/demo_sdxl.toml
