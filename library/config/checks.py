@@ -75,6 +75,27 @@ def _log_problems(cfg: LogConfig) -> list[str]:
     return problems
 
 
+# What bucket_reso_steps must be a multiple of, per model family: each family's ``bucket_step``
+# (library/families/), repeated here because the config package imports no torch.
+BUCKET_STEPS = {"sd": 64, "sdxl": 32}
+
+
+def _dataset_problems(cfg: TrainConfig) -> list[str]:
+    """The problems of the datasets' folders and settings (``--dataset_config``, ``bucket_reso_steps``, ...), to be
+    reported with the other problems of the config. Called only when there are others: otherwise the run reads the
+    datasets next anyway (``build_train_data``), and reports these then, before any model loads."""
+    from library.config.dataset import load_dataset_specs  # imports library.config itself
+
+    d = cfg.data
+    if d.dataset_class or not (d.train_data_dir or d.dataset_config or d.in_json):
+        return []
+    try:
+        load_dataset_specs(d, cfg.loss.masked_loss, BUCKET_STEPS.get(cfg.family, 64))
+    except UserError as exc:
+        return list(exc.messages)
+    return []
+
+
 # What an entry script refuses beyond the checks every script makes, by model family (``TrainConfig.family``).
 SCRIPT_PROBLEMS = {"sdxl": sdxl_script_problems}
 
@@ -130,8 +151,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.data.skip_cache_check and not cfg.data.cache_latents_to_disk:
         log.warning("--skip_cache_check has no effect without --cache_latents_to_disk (it trusts existing cache "
                     "files; latents cached in RAM are made fresh each run)")
-    if p.xformers and not _installed("xformers"):
-        problems.append("--xformers: the xformers package is not installed; use --sdpa (PyTorch's "
-                        "scaled-dot-product attention, as fast on current PyTorch) or pip install xformers")
+    # --xformers without the package (the kohya_ss GUI's default attention) runs on PyTorch's scaled-dot-product
+    # attention, with an info line when the model is set up (library/families/model_setup.py): not a problem.
     if problems:
-        raise UserError(*problems)
+        raise UserError(*problems, *_dataset_problems(cfg))

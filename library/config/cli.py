@@ -25,7 +25,7 @@ from typing import Any
 from library.base.bounded import load_toml
 from library.base.errors import UserError, did_you_mean
 from library.config import SECRET_FIELDS, TrainConfig, all_fields, family_sections, field_default, from_namespace
-from library.config.gui import GUI_ONLY_KEYS, GUI_REFUSED_WHEN_SET, other_family
+from library.config.gui import GUI_ONLY_KEYS, GUI_REFUSED_WHEN_SET, GUI_TRACKER_KEYS, other_family
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,32 @@ def read_config_file(path: str, family: str = "sd") -> dict[str, Any]:
     and the key; all of them are reported at once. Keys the kohya_ss GUI writes for nothing are accepted with an
     info line.
     """
+    values, file, gui_fields = _read_config(path, family)
+    _log_gui_fields(file, gui_fields)
+    return values
+
+
+def _log_gui_fields(file: Path | None, gui_fields: list[str]) -> None:
+    """The one info line about the kohya_ss GUI's fields of ``file`` that change nothing."""
+    if gui_fields:
+        notes = {**GUI_ONLY_KEYS, **GUI_TRACKER_KEYS}
+        log.info("%s: %s: kohya_ss GUI field(s) with no effect on training (sd-scripts ignores them too): %s",
+                 file, ", ".join(gui_fields), "; ".join(f"{k}: {notes[k]}" for k in gui_fields))
+
+
+def _quiet_gui_tracker_fields(values: dict[str, Any], explicit: dict[str, Any], gui_fields: list[str]) -> None:
+    """A GUI file's ``wandb_run_name`` (the GUI writes one into every file) without wandb as the tracker: dropped
+    and named in the GUI info line instead of the warning about tracker flags without a tracker."""
+    if not gui_fields or values.get("log_with") in ("wandb", "all"):
+        return
+    for key in GUI_TRACKER_KEYS:
+        if key not in explicit and values.get(key) is not None:
+            values[key] = None
+            gui_fields.append(key)
+
+
+def _read_config(path: str, family: str) -> tuple[dict[str, Any], Path, list[str]]:
+    """``read_config_file`` without the info line: the values, the file, and the GUI-only keys it holds."""
     file = Path(path if path.endswith(".toml") else path + ".toml")
     data = _read_toml(file)
     fields = all_fields(family)
@@ -209,10 +235,7 @@ def read_config_file(path: str, family: str = "sd") -> dict[str, Any]:
     visit(data, "")
     if problems:
         raise UserError(*problems)
-    if gui_fields:
-        log.info("%s: %s: kohya_ss GUI field(s) with no effect on training (sd-scripts ignores them too): %s",
-                 file, ", ".join(gui_fields), "; ".join(f"{k}: {GUI_ONLY_KEYS[k]}" for k in gui_fields))
-    return values
+    return values, file, gui_fields
 
 
 def _defaults() -> dict[str, Any]:
@@ -262,7 +285,9 @@ def parse_args(argv: list[str], family: str = "sd") -> tuple[TrainConfig, dict[s
     explicit = vars(build_parser(family).parse_args(argv))
     # With --output_config, --config_file names the file to write (sd-scripts' read_config_from_file): not read.
     reads = explicit.get("config_file") and not explicit.get("output_config")
-    from_file = read_config_file(explicit["config_file"], family) if reads else {}
+    from_file, file, gui_fields = _read_config(explicit["config_file"], family) if reads else ({}, None, [])
     values = {**_defaults(), **from_file, **explicit}
+    _quiet_gui_tracker_fields(values, explicit, gui_fields)
+    _log_gui_fields(file, gui_fields)
     _apply_legacy_optimizer(values)
     return from_namespace(values, family), {**from_file, **explicit}

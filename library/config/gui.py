@@ -15,22 +15,32 @@ GUI_ONLY_KEYS: dict[str, str] = {
     "stop_text_encoder_training": "an option of sd-scripts' train_db.py, which train_network.py ignores too",
 }
 
+# What a GUI field that the GUI writes whatever the settings means when its tracker is off (``lora_gui.py`` writes
+# ``wandb_run_name``, its "WANDB run name" box or else the output name, into every TOML): accepted with the info line.
+GUI_TRACKER_KEYS: dict[str, str] = {
+    "wandb_run_name": "the GUI's WANDB run name box (the output name when empty), written into every file; it names "
+                      "a wandb run only with log_with = \"wandb\"",
+}
+
 # GUI fields for features of a newer sd-scripts that this trainer does not have: accepted when off, refused when on.
 GUI_REFUSED_WHEN_SET: dict[str, str] = {
     "train_inpainting": "inpainting training (a 9-channel U-Net on random masks, in sd-scripts after 48d368fa) is not "
                         "supported here; untick \"Train inpainting model\" in the GUI, or remove the key",
 }
 
-# Keys the GUI writes only for model families that train_network.py does not train.
+# Keys the GUI writes only for model families that train_network.py does not train; a key of several families'
+# scripts (sd-scripts 48d368fa: clip_l, t5xxl, ... of both flux_train_utils.py and sd3_train_utils.py) is listed
+# under each.
 OTHER_FAMILY_KEYS: dict[str, tuple[str, ...]] = {
     "FLUX.1 (flux_train_network.py)": (
-        "ae", "apply_t5_attn_mask", "discrete_flow_shift", "double_blocks_to_swap", "guidance_scale", "mem_eff_save",
-        "model_prediction_type", "model_type", "single_blocks_to_swap", "split_mode", "t5xxl",
+        "ae", "apply_t5_attn_mask", "clip_l", "discrete_flow_shift", "double_blocks_to_swap", "guidance_scale",
+        "mem_eff_save", "model_prediction_type", "model_type", "single_blocks_to_swap", "split_mode", "t5xxl",
         "t5xxl_max_token_length", "timestep_sampling"),
     "SD3 (sd3_train_network.py)": (
-        "clip_g", "clip_g_dropout_rate", "clip_l", "clip_l_dropout_rate", "enable_scaled_pos_embed", "logit_mean",
-        "logit_std", "mode_scale", "pos_emb_random_crop_rate", "save_clip", "save_t5xxl", "t5_dropout_rate",
-        "t5xxl_device", "t5xxl_dtype", "text_encoder_batch_size", "weighting_scheme"),
+        "apply_t5_attn_mask", "clip_g", "clip_g_dropout_rate", "clip_l", "clip_l_dropout_rate",
+        "enable_scaled_pos_embed", "logit_mean", "logit_std", "mode_scale", "pos_emb_random_crop_rate", "save_clip",
+        "save_t5xxl", "t5_dropout_rate", "t5xxl", "t5xxl_device", "t5xxl_dtype", "t5xxl_max_token_length",
+        "text_encoder_batch_size", "weighting_scheme"),
     "DiT models (HunyuanImage, Lumina, Anima)": (
         "attn_mode", "blocks_to_swap", "byt5", "compile", "compile_backend", "compile_cache_size_limit",
         "compile_dynamic", "compile_fullgraph", "compile_mode", "fp8_scaled", "fp8_vl", "gemma2",
@@ -44,8 +54,9 @@ OTHER_FAMILY_KEYS: dict[str, tuple[str, ...]] = {
 
 
 def other_family(key: str) -> str | None:
-    """The model family a GUI key belongs to, when it is not one this trainer's script trains."""
-    for family, keys in OTHER_FAMILY_KEYS.items():
-        if key in keys:
-            return family
-    return None
+    """The model families (with their scripts) whose option a GUI key is, when this trainer's script has no such
+    option: "FLUX.1 (flux_train_network.py) and SD3 (sd3_train_network.py)" for ``clip_l``."""
+    owners = [family for family, keys in OTHER_FAMILY_KEYS.items() if key in keys]
+    if not owners:
+        return None
+    return owners[0] if len(owners) == 1 else ", ".join(owners[:-1]) + " and " + owners[-1]

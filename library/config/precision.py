@@ -35,7 +35,8 @@ class PrecisionConfig:
         "moves when training on the CPU")
     sdpa: bool = flag(False, "PyTorch scaled-dot-product attention; accepted for compatibility: it is always the "
                       "UNet's attention here unless --xformers is given")
-    xformers: bool = flag(False, "use xformers memory-efficient attention (needs the xformers package)")
+    xformers: bool = flag(False, "use xformers memory-efficient attention; without the xformers package or a CUDA "
+                          "device the UNet uses PyTorch's scaled-dot-product attention instead (an info line says so)")
     mem_eff_attn: bool = flag(False, "memory-efficient attention; accepted for compatibility: PyTorch's "
                               "scaled-dot-product attention (always on here unless --xformers) picks a "
                               "memory-efficient kernel itself")

@@ -11,6 +11,7 @@ from the VAE or the text encoders stops the run (``UserError``) before any cache
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 from collections.abc import Callable
 
@@ -55,16 +56,7 @@ def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPo
     for text_encoder in text_encoders:
         text_encoder.to(device, policy.frozen_dtype)
     model.vae.to(device, policy.vae_dtype)
-    if precision.xformers:
-        model.unet.enable_xformers_memory_efficient_attention()
-    else:
-        from diffusers.models.attention_processor import AttnProcessor2_0
-
-        model.unet.set_attn_processor(AttnProcessor2_0())
-        for name in ("sdpa", "mem_eff_attn"):
-            if getattr(precision, name):
-                log.info("--%s: the UNet uses PyTorch's scaled-dot-product attention, which picks a "
-                         "memory-efficient kernel by itself; nothing else to switch on", name)
+    set_attention(model, precision, device)
     if precision.gradient_checkpointing:
         # diffusers and transformers only checkpoint modules in training mode (sd-scripts sets train() too).
         model.unet.enable_gradient_checkpointing(offloaded_checkpoint if precision.cpu_offload_checkpointing
@@ -77,6 +69,28 @@ def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPo
             log.info("--cpu_offload_checkpointing: training on the CPU, so the checkpointed tensors already are in "
                      "CPU memory")
     return model
+
+
+def set_attention(model: SDModel, precision: PrecisionConfig, device: torch.device) -> None:
+    """xformers with ``--xformers`` where it can run (the package installed, a CUDA device); otherwise PyTorch's
+    scaled-dot-product attention, the same attention, with memory-efficient kernels on CUDA: ``--xformers``
+    without the package (the kohya_ss GUI's default attention) or off CUDA says so in one info line."""
+    xformers_runs = importlib.util.find_spec("xformers") is not None and device.type == "cuda"
+    if precision.xformers and xformers_runs:
+        model.unet.enable_xformers_memory_efficient_attention()
+        return
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    model.unet.set_attn_processor(AttnProcessor2_0())
+    if precision.xformers:
+        why = "needs a CUDA device" if importlib.util.find_spec("xformers") else "package is not installed"
+        log.info("--xformers: the xformers %s; the UNet uses PyTorch's scaled-dot-product attention instead (the "
+                 "same attention, with memory-efficient kernels on CUDA), as with --sdpa", why)
+        return
+    for name in ("sdpa", "mem_eff_attn"):
+        if getattr(precision, name):
+            log.info("--%s: the UNet uses PyTorch's scaled-dot-product attention, which picks a "
+                     "memory-efficient kernel by itself; nothing else to switch on", name)
 
 
 def _lowram_note(path: str, device: torch.device) -> str:
