@@ -9,7 +9,8 @@ so every validation draws the same noise; the loss is the mean over the (batch, 
 update when ``--validate_every_n_steps`` divides the step, and at the end of every epoch (of every
 ``--validate_every_n_epochs``-th), also after the last update.
 
-Here the noise comes from a generator of its own, made afresh from the seed at each validation, and the batches are
+Here the noise comes from a generator of its own, made afresh from the seed at each validation (after the one draw
+sd-scripts' DataLoader iterator takes from it: ``skip_loader_seed``), and the batches are
 read without a DataLoader, so the training generators are never touched: a run that validates trains exactly as one
 that does not. The network, text encoder and UNet are put in eval mode (no dropout) and each submodule gets back
 the mode it had. The batches of every validation are the same: the held-out images in the order sd-scripts visits
@@ -97,6 +98,16 @@ def evaluating(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
             module.training = training
 
 
+def skip_loader_seed(cpu_generator: torch.Generator | None) -> None:
+    """Draw what sd-scripts' validation loop draws before its first noise: iterating its ``val_dataloader`` makes a
+    new DataLoader iterator, whose ``_base_seed`` is one int64 from the global CPU generator (torch's
+    ``_BaseDataLoaderIter.__init__``, also with ``num_workers=0``), right after ``switch_rng_state`` seeded it. So on
+    the CPU every validation noise of sd-scripts comes one int64 later in the stream; on CUDA its noise comes from the
+    CUDA generator, which that draw does not touch (the CPU one, here the host generator, takes it)."""
+    if cpu_generator is not None:
+        torch.empty((), dtype=torch.int64).random_(generator=cpu_generator)
+
+
 def validation_loss(batch_loss: BatchLoss, batches: Iterable[dict], timesteps: list[int], seed: int) -> torch.Tensor:
     """Mean loss over every (batch, timestep) pair, the noise drawn from a generator seeded with ``seed`` in
     sd-scripts' order (per batch, the timesteps in turn; each its own latent sample and noise).
@@ -104,6 +115,7 @@ def validation_loss(batch_loss: BatchLoss, batches: Iterable[dict], timesteps: l
     generator = torch.Generator(batch_loss.generator.device).manual_seed(seed)
     # next to a CUDA generator, pyramid-noise sizes come from a CPU one: a fresh one here too, not the training one
     host = torch.Generator().manual_seed(seed) if batch_loss.host_generator is not None else None
+    skip_loader_seed(generator if generator.device.type == "cpu" else host)
     losses = []
     for batch in batches:
         for t in timesteps:

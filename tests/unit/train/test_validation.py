@@ -49,23 +49,28 @@ def batches():
 
 
 def hand_validation_loss(model, batches, seed: int) -> float:
-    """sd-scripts' validation written out: torch.manual_seed(seed), then per batch and per timestep t in
-    200/400/600/800 one randn like the latents, DDPM add_noise at t (diffusers' scheduler), the UNet's epsilon
-    prediction and the MSE against the noise; the mean over all (batch, timestep) pairs."""
-    gen = torch.Generator().manual_seed(seed)
+    """sd-scripts' validation written out: torch.manual_seed(seed) (its ``switch_rng_state``), then
+    ``enumerate(val_dataloader)`` (a torch DataLoader, whose new iterator takes its base seed from the global
+    generator), then per batch and per timestep t in 200/400/600/800 one randn like the latents, DDPM add_noise at t
+    (diffusers' scheduler), the UNet's epsilon prediction and the MSE against the noise; the mean over all (batch,
+    timestep) pairs. The global generator's state is put back afterwards."""
+    saved = torch.get_rng_state()
+    torch.manual_seed(seed)
+    loader = iter(torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False, num_workers=0))
     losses = []
     with torch.no_grad():
-        for batch in batches:
+        for batch in loader:
             latents = batch["latents"] * model.vae.config.scaling_factor
             ids = model.tokenizer(batch["captions"], padding="max_length", max_length=77, truncation=True,
                                   return_tensors="pt").input_ids
             hidden = model.text_encoder(ids)[0]
             for t in (200, 400, 600, 800):
-                noise = torch.randn(latents.shape, generator=gen)
+                noise = torch.randn_like(latents)
                 steps = torch.full((latents.shape[0],), t)
                 noisy = model.noise_scheduler.add_noise(latents, noise, steps)
                 pred = model.unet(noisy, steps, hidden).sample
                 losses.append(float(((pred - noise) ** 2).mean()))
+    torch.set_rng_state(saved)
     return sum(losses) / len(losses)
 
 
