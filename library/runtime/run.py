@@ -33,6 +33,7 @@ from library.families.base import ModelFamily
 from library.families.precision import PrecisionPolicy, optimizer_state_dtype, precision_policy
 from library.families.registry import model_family
 from library.runtime import processes as process_group
+from library.runtime.compile_checks import check_dynamo_backend
 from library.runtime.fs_checks import check_folder, ensure_room_for_save
 from library.runtime.output import open_output
 from library.sampling.images import SAMPLE_FOLDER, make_sample_hooks
@@ -199,6 +200,7 @@ def _prepare(cfg: TrainConfig, processes: process_group.Processes) -> Prepared |
     samples = plan_samples(cfg.sample)
     check_sample_folder(samples, cfg.save.output_dir)
     choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
+    check_dynamo_backend(cfg.precision)  # --torch_compile with a backend this torch lacks
     thumbnail = thumbnail_data_url(cfg.save.metadata_thumbnail)
     saved = read_state(cfg.save.resume) if cfg.save.resume else None
     if saved is not None:
