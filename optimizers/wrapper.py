@@ -11,7 +11,8 @@ ops whatever the number of tensors: one ``_foreach_copy_`` widens the parameters
 gradients, the wrapped optimizer steps, one stochastic rounding pass over the buffer draws its bits from a single
 counter-based stream (``rounding.element_bits`` of (element index in the buffer, wrapper step, ``seed``): no
 generator, no per-tensor reseeding) and one ``_foreach_copy_`` writes the rounded values back (exact: they are bf16
-values). Parameters without a gradient this step are left alone.
+values). Parameters without a gradient this step are left alone. A torch optimizer left at ``foreach=None`` is
+stepped with ``foreach=True`` (torch picks it on CUDA only; on the CPU its default is a per-tensor loop).
 
 Not sound for 8-bit or paged bitsandbytes optimizers (the registry refuses it there): paging is tied to a parameter's
 storage, and with 8-bit blockwise state the quantization error of the state dominates the rounding error of the
@@ -92,8 +93,31 @@ class _Shadows:
         torch._foreach_copy_([self.params[i] for i in active], [self.views[i] for i in active])
 
 
+def prefer_foreach(optimizer: Optimizer) -> bool:
+    """Set ``foreach=True`` on the groups of ``optimizer`` that leave it to torch's default; True if any changed.
+
+    torch's ``foreach=None`` picks the multi-tensor path on CUDA but the per-tensor loop on the CPU (and on devices it
+    does not list), about 10 dispatched ops per tensor and step; ``foreach=True`` gives the same update everywhere.
+    Only optimizers that take ``foreach`` (it is in their ``defaults``) are touched, and not groups where the user
+    chose ``foreach`` or ``fused`` or asked for ``differentiable`` (no multi-tensor path there).
+    """
+    if "foreach" not in optimizer.defaults:
+        return False
+    changed = False
+    for group in optimizer.param_groups:
+        if group.get("foreach") is None and not group.get("fused") and not group.get("differentiable"):
+            group["foreach"] = True
+            changed = True
+    return changed
+
+
 class StochasticRoundingWrapper(Optimizer):
-    """Step ``inner`` on fp32 shadows of bf16 parameters and write back with stochastic rounding."""
+    """Step ``inner`` on fp32 shadows of bf16 parameters and write back with stochastic rounding.
+
+    A torch optimizer left at ``foreach=None`` is switched to ``foreach=True`` (``prefer_foreach``), so the wrapped
+    step launches a number of kernels that does not grow with the number of tensors on the CPU as well as on CUDA
+    (also after loading a state dict saved with ``foreach=None``; one saved with ``foreach=False`` keeps it).
+    """
 
     def __init__(
         self,
@@ -121,6 +145,7 @@ class StochasticRoundingWrapper(Optimizer):
         inner_groups = [{**group, "params": [shadow_of.get(param, param) for param in group["params"]]}
                         for group in self.param_groups]
         self.inner = build_inner(inner_groups)
+        prefer_foreach(self.inner)
         self._pull_hyperparameters()
 
     def _push_hyperparameters(self) -> None:
@@ -158,6 +183,7 @@ class StochasticRoundingWrapper(Optimizer):
         state_dict = dict(state_dict)
         rounding = state_dict.pop(SR_KEY, None)
         self.inner.load_state_dict(state_dict)
+        prefer_foreach(self.inner)
         self._pull_hyperparameters()
         if rounding is not None:
             self.seed, self.sr_step = int(rounding["seed"]), int(rounding["step"])
