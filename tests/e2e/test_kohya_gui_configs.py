@@ -36,7 +36,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 from safetensors import safe_open
 
 import train_network
@@ -64,17 +63,6 @@ def gui_values(name: str) -> dict:
 def needs_bucket_steps_fix(values: dict) -> bool:
     """sd-scripts' rule for SD 1.x/2.x with bucketing: bucket_reso_steps must be a multiple of 64."""
     return bool(values.get("enable_bucket")) and values.get("bucket_reso_steps", 64) % 64 != 0
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    """configs/sample_data with every image resized to 64x64; captions unchanged."""
-    root = tmp_path_factory.mktemp("gui_images")
-    shutil.copytree(ROOT / "configs" / "sample_data", root / "data")
-    for png in (root / "data").glob("*/*.png"):
-        with Image.open(png) as im:
-            im.resize((64, 64), Image.BILINEAR).save(png)
-    return root / "data"
 
 
 def materialise(name: str, where: Path, images: Path) -> Path:

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 from safetensors import safe_open
 
 import train_network
@@ -32,17 +31,6 @@ CONFIGS = sorted(p.stem for p in GUI_DIR.glob("*.toml"))
 SPEED_OVERRIDES = ["--max_train_steps", "2", "--resolution", "64", "--min_bucket_reso", "64",
                    "--max_data_loader_n_workers", "0"]
 XFORMERS_RUNS = importlib.util.find_spec("xformers") is not None and torch.cuda.is_available()
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    """configs/sample_data with every image resized to 64x64; captions unchanged."""
-    root = tmp_path_factory.mktemp("gui_sdxl_images")
-    shutil.copytree(ROOT / "configs" / "sample_data", root / "data")
-    for png in (root / "data").glob("*/*.png"):
-        with Image.open(png) as im:
-            im.resize((64, 64), Image.BILINEAR).save(png)
-    return root / "data"
 
 
 def materialise(name: str, where: Path, images: Path) -> Path:

@@ -16,8 +16,8 @@ from library.config import public_snapshot, validate
 from library.config.cli import parse_args
 from library.train.tracking import Tracker, tracker_config
 
-BASE = ["--pretrained_model_name_or_path", "/models/secret_model.safetensors", "--output_dir", "/home/me/out",
-        "--train_data_dir", "/home/me/data", "--network_dim", "8", "--network_args", "conv_dim=4"]
+BASE = ["--pretrained_model_name_or_path", "/models/secret_model.safetensors", "--output_dir", "/srv/me/out",
+        "--train_data_dir", "/srv/me/data", "--network_dim", "8", "--network_args", "conv_dim=4"]
 
 
 def config(*extra: str):
