@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import shutil
 import tomllib
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import train_network
 from library.base.errors import UserError
 from library.config import validate
 from library.config.cli import parse_args
+from tests.e2e.gui_configs import fill_gui_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GUI_DIR = ROOT / "tests" / "data" / "kohya_gui" / "sdxl"
@@ -35,17 +35,7 @@ XFORMERS_RUNS = importlib.util.find_spec("xformers") is not None and torch.cuda.
 
 def materialise(name: str, where: Path, images: Path) -> Path:
     """The GUI file with its placeholders filled in (the tiny SDXL model), in a fresh folder."""
-    where.mkdir(parents=True)
-    shutil.copytree(images, where / "data")
-    (where / "out" / "sample").mkdir(parents=True)
-    (where / "out" / "sample" / "prompt.txt").write_text("", encoding="utf-8")
-    text = (GUI_DIR / f"{name}.toml").read_text(encoding="utf-8")
-    for placeholder, value in {"@PRETRAINED_MODEL@": "builtin:tiny-sdxl", "@TRAIN_DATA_DIR@": where / "data",
-                               "@OUTPUT_DIR@": where / "out", "@LOGGING_DIR@": where / "logs"}.items():
-        text = text.replace(placeholder, str(value).replace("\\", "/"))
-    file = where / "config_lora.toml"
-    file.write_text(text, encoding="utf-8")
-    return file
+    return fill_gui_config(GUI_DIR / f"{name}.toml", where, images, "builtin:tiny-sdxl")
 
 
 def test_there_is_an_sdxl_gui_file():
