@@ -69,7 +69,8 @@ def run_args(family: str, out: Path, updates: int, *extra: str) -> list[str]:
 
 def count_run(family: str, argv: list[str]) -> dict[str, Any]:
     """Train once in this process with every dispatched op and host sync counted (data loading is not: its batches
-    are host tensors, as a DataLoader's are); also the number of LoRA tensors."""
+    are host tensors, as a DataLoader's are). Returns the run's totals, the ops and syncs of each update window (from
+    the end of one update to the end of the next; the first from the start of the run) and the LoRA tensor count."""
     import torch
 
     import train_network
@@ -84,19 +85,14 @@ def count_run(family: str, argv: list[str]) -> dict[str, Any]:
             Counter.ops += 1
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-    tensors: list[int] = []
-    init = Updater.__post_init__
-
-    def seen(self):
-        tensors.append(len(self.params))
-        init(self)
-
-    Updater.__post_init__ = seen
     counter = Counter()
-    iterate = loop._iterate
+    tensors: list[int] = []
+    windows: list[tuple[int, int]] = []
+    marks = [0, 0]
+    originals = (loop._iterate, Updater.__post_init__, Updater.update)
 
     def loading_paused(loader):  # batches come from host memory: reading them is not a sync
-        batches = iterate(loader)
+        batches = originals[0](loader)
         while True:
             with counter.paused():
                 batch = next(batches, None)
@@ -104,13 +100,40 @@ def count_run(family: str, argv: list[str]) -> dict[str, Any]:
                 return
             yield batch
 
-    loop._iterate = loading_paused
-    with torch.compiler.set_stance("force_eager"), counter:
-        code = train_network.main(argv, family=family)
+    def seen(self):
+        tensors.append(len(self.params))
+        originals[1](self)
+
+    def counted_update(self):
+        result = originals[2](self)
+        windows.append((Counter.ops - marks[0], len(counter.syncs) - marks[1]))
+        marks[:] = [Counter.ops, len(counter.syncs)]
+        return result
+
+    loop._iterate, Updater.__post_init__, Updater.update = loading_paused, seen, counted_update
+    try:
+        with torch.compiler.set_stance("force_eager"), counter:
+            code = train_network.main(argv, family=family)
+    finally:
+        loop._iterate, Updater.__post_init__, Updater.update = originals
     if code != 0:
         raise RuntimeError(f"the counted run exited with {code}")
     return {"ops": Counter.ops, "syncs": len(counter.syncs), "tensors": tensors[0] if tensors else 0,
-            "sync_kinds": sorted(set(counter.syncs))}
+            "windows": windows, "sync_kinds": sorted(set(counter.syncs))}
+
+
+def window_ops(family: str, out: Path, updates: int, *flags: str) -> tuple[float, float, int]:
+    """In this process: the median ops and mean syncs of the update windows after the first two (which pay the
+    optimizer state's creation and the first logging), and the LoRA tensor count. The tests' fast form of
+    ``per_update`` (one run, no new process)."""
+    import statistics
+
+    report = count_run(family, run_args(family, out, updates, *flags))
+    steady = report["windows"][2:]
+    if not steady:
+        raise ValueError(f"window_ops needs at least 3 updates, got {updates}")
+    return (statistics.median(ops for ops, _ in steady), sum(syncs for _, syncs in steady) / len(steady),
+            report["tensors"])
 
 
 def _child(args: argparse.Namespace, argv: list[str]) -> int:
