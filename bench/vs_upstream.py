@@ -21,7 +21,10 @@ as one JSON line. Seconds per step: the median of the intervals between consecut
 over rounds, and the load average before each run. The child also stamps the process's CPU time at each step
 (``CPU s/step``): on a machine shared with other work it moves much less than the wall clock, which with two OpenMP
 threads on two busy cores can stretch tenfold. ``--profile DIR`` adds a ``torch.profiler`` table (self CPU time per
-op, ``--profile_shapes``: per input shape) of the step after ``--warmup`` for every run; that step is not timed.
+op, ``--profile_shapes``: per input shape) of the step after ``--warmup`` for every run; that step is not timed, and
+the report adds, per precision, the ops whose self CPU time differs most between the sides (medians over rounds).
+The header says whether the CPU computes bf16 natively (``cpu_bf16``); where it does not, the full-bf16 rows are
+left out, since they would time PyTorch's emulation of bf16.
 
     PEER_DIR=<harness> OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_upstream.py
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_upstream.py --peer_dir <harness> --threads 1
@@ -87,6 +90,8 @@ def child(trainer: str, argv: list[str]) -> int:
                 sort_by="self_cpu_time_total", row_limit=120 if shapes else 60, max_name_column_width=70,
                 max_shapes_column_width=90)
             Path(profile_to).write_text(table)
+            totals = {event.key: event.self_cpu_time_total for event in profiler.key_averages()}
+            Path(profile_to).with_suffix(".json").write_text(json.dumps(totals))
 
     register_optimizer_step_post_hook(stamp)
     sys.argv = [trainer, *argv]
@@ -148,6 +153,48 @@ def git_head(folder: Path) -> str:
     return result.stdout.strip() or "48d368fa (git archive, no .git)"
 
 
+def cpu_bf16(cpuinfo: str | None = None) -> tuple[bool, str]:
+    """Whether the CPU computes bf16 natively, and the flags that say so (``/proc/cpuinfo``): x86 ``avx512_bf16`` or
+    ``amx_bf16``, Arm ``bf16``. Without them PyTorch emulates bf16 with fp32 conversions, so a bf16 row would time the
+    emulation, not the trainer."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags |= set(value.split())
+    native = sorted(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    if native:
+        return True, f"native bf16 ({', '.join(native)})"
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return False, f"no native bf16 ({vector} only: bf16 is emulated, bf16 rows left out)"
+
+
+def profile_comparison(folder: Path, precision: str, rows: int = 20) -> str:
+    """The ops whose self CPU time differs most between the two sides in the profiled step (medians over rounds,
+    milliseconds), from the ``.json`` files the children wrote: where the time goes against upstream."""
+    tag = precision.replace(" ", "_")
+    sides = {}
+    for side in ("ours", "upstream"):
+        per_round = [json.loads(file.read_text()) for file in sorted(folder.glob(f"{side}-{tag}-*.json"))]
+        ops = {name for totals in per_round for name in totals}
+        sides[side] = {name: statistics.median(t.get(name, 0.0) for t in per_round) / 1000 for name in ops}
+    if not all(sides.values()):
+        return ""
+    names = sorted(set(sides["ours"]) | set(sides["upstream"]),
+                   key=lambda n: -abs(sides["ours"].get(n, 0.0) - sides["upstream"].get(n, 0.0)))
+    lines = [f"Per-op self CPU time of the profiled step, {precision} (ms, median over rounds; largest differences "
+             "first):", "", "| op | ours | upstream | ours - upstream |", "|---|---|---|---|"]
+    for name in names[:rows]:
+        ours, theirs = sides["ours"].get(name, 0.0), sides["upstream"].get(name, 0.0)
+        lines.append(f"| `{name}` | {ours:.1f} | {theirs:.1f} | {ours - theirs:+.1f} |")
+    total = sum(sides["ours"].values()), sum(sides["upstream"].values())
+    lines.append(f"| all ops | {total[0]:.1f} | {total[1]:.1f} | {total[0] - total[1]:+.1f} |")
+    return "\n".join(lines)
+
+
 def _harness_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fill the upstream harness paths not given from ``--peer_dir``; say which are missing when it is not given."""
     defaults = {"model": ("model", "sd15-random"), "tokenizer_cache_dir": ("model", "tokenizer_cache"),
@@ -173,7 +220,7 @@ def main() -> int:
                         "defaults of --model, --tokenizer_cache_dir, --data and --upstream_* are inside it")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="steps not timed at the start of each run")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the table gives medians)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the table gives medians)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument("--only", choices=sorted(PRECISIONS), nargs="+", default=sorted(PRECISIONS))
     parser.add_argument("--model", type=Path, help="default: PEER_DIR/model/sd15-random")
@@ -196,6 +243,10 @@ def main() -> int:
         parser.error("--steps must leave at least two timed steps after --warmup (and the profiled one)")
     if args.profile and args.warmup < 1:
         parser.error("--profile profiles the step after --warmup: give --warmup 1 or more")
+    native, bf16_line = cpu_bf16()
+    if not native and "full bf16" in args.only:
+        print(f"CPU: {bf16_line}", flush=True)
+        args.only = [precision for precision in args.only if precision != "full bf16"]
 
     started = time.perf_counter()
     runs: dict[tuple[str, str], list[dict]] = {}
@@ -262,7 +313,8 @@ def main() -> int:
         f"{time.strftime('%Y-%m-%d %H:%M')}",
         f"How to reproduce (from the repository root; {(time.perf_counter() - started) / 60:.0f} minutes here):"
         f"\n\n    {command}",
-        machine() + f"; ours at {git_head(ROOT)}; upstream venv: {upstream_versions(args.upstream_python)}; "
+        machine() + f"; CPU: {bf16_line}; ours at {git_head(ROOT)}; "
+        f"upstream venv: {upstream_versions(args.upstream_python)}; "
         f"torch threads {args.threads} on both sides; load average (1, 5, 15 min) before each run: {loads}",
         f"Same flags on both sides (`--output_dir` aside): `{shlex.join(common)}` plus the precision's "
         f"({', '.join(f'{k}: `{shlex.join(v)}`' for k, v in PRECISIONS.items())}). {platform.python_version()} "
@@ -271,6 +323,7 @@ def main() -> int:
         "process.",
         table,
         args.note,
+        *([profile_comparison(args.profile, precision) for precision in args.only] if args.profile else []),
     ]))
     publish(report, args.out, {str(args.peer_dir): "$PEER_DIR"} if args.peer_dir else None)
     return 0
