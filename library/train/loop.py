@@ -23,8 +23,9 @@ from tqdm import tqdm
 
 from library.base.errors import TrainingDiverged
 from library.train.position import Position, SampleHooks, SaveHooks
+from library.train.reports import StepReports
 from library.train.steps import StepPlan
-from library.train.tracking import LossAverage, Tracker, progress_fields
+from library.train.tracking import LossAverage, Tracker
 from library.train.update import Updater
 from library.train.validation import Validation
 
@@ -50,79 +51,72 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
     batch. ``show_progress``: the progress bar (only the main process of a multi-process run shows one)."""
     pos = Position(start.epoch, start.step, start.batch)
     loader = data.dataloader()
-    average = LossAverage(len(loader))
-    accum = plan.gradient_accumulation_steps
     if samples.at_first:
         samples.sample(pos, 0)
     progress = tqdm(total=plan.max_train_steps, initial=pos.step, desc="steps", smoothing=0,
                     disable=None if show_progress else True)
-    began, last_loss = time.perf_counter(), float("nan")
-    while pos.epoch < plan.num_epochs and pos.step < plan.max_train_steps:
-        data.set_epoch(pos.epoch + 1, first_batch=pos.batch)
-        on_epoch_start(pos.epoch)
-        for index, batch in enumerate(_iterate(loader), start=pos.batch):
-            data.set_current_step(pos.step, plan.max_train_steps)
-            updater.backward(batch_loss(batch))
-            pos.batch = index + 1
-            if pos.batch % accum != 0 and pos.batch != len(loader):
-                continue
-            try:
-                result = updater.update()
-            except TrainingDiverged as diverged:
-                if diverged.weights_intact:
-                    saves.final_save(pos)
-                raise
-            pos.step += 1
-            last_loss = result.loss
-            average.add(last_loss)
-            progress.update(1)
-            lrs = lr_values()
-            scalars = {"loss/current": last_loss, "loss/average": average.moving_average,
-                       "grad_norm": result.grad_norm, **lrs}
-            if validation is not None:
-                scalars.update(validation.at_step(pos, average.moving_average))
-            progress.set_postfix(progress_fields(pos.epoch + 1, plan.num_epochs, average.moving_average, lrs,
-                                                 validation.last_loss if validation is not None else None))
-            _log_max_norm(updater, tracker)
-            tracker.log(scalars, pos.step)
-            if samples.every_n_steps and pos.step % samples.every_n_steps == 0:
-                updater.check_weights()
-                samples.sample(pos, None)
-            if saves.every_n_steps and pos.step % saves.every_n_steps == 0:
-                updater.check_weights()
-                saves.step_save(pos)
-            if pos.step >= plan.max_train_steps:
+    reports = StepReports(updater, tracker, progress, LossAverage(len(loader)), lr_values, validation,
+                          plan.num_epochs)
+    began = time.perf_counter()
+    try:
+        while pos.epoch < plan.num_epochs and pos.step < plan.max_train_steps:
+            if not _epoch(data, loader, batch_loss, updater, plan, saves, samples, reports, on_epoch_start, pos):
                 break
-        epoch_scalars = validation.at_epoch_end(pos, average.moving_average) if validation is not None else {}
-        tracker.log({"loss/epoch_average": average.end_epoch(), **epoch_scalars}, pos.epoch + 1)
-        if pos.batch < len(loader):
-            if samples.every_n_epochs and (pos.epoch + 1) % samples.every_n_epochs == 0:
-                updater.check_weights()
-                samples.sample(pos, pos.epoch + 1)  # sd-scripts samples after an epoch cut short, too
-            break  # --max_train_steps reached inside the epoch: it stays the current one (a resume continues it)
-        pos.epoch, pos.batch = pos.epoch + 1, 0
-        if saves.every_n_epochs and pos.epoch % saves.every_n_epochs == 0 and pos.epoch < plan.num_epochs:
-            updater.check_weights()
-            saves.epoch_save(pos)
-        if samples.every_n_epochs and pos.epoch % samples.every_n_epochs == 0:
-            updater.check_weights()
-            samples.sample(pos, pos.epoch)
-    progress.close()
-    updater.check_weights()
-    _log_max_norm(updater, tracker)
+        reports.settle()
+    except TrainingDiverged as diverged:
+        if diverged.weights_intact:
+            saves.final_save(pos)
+        raise
+    finally:
+        progress.close()
     saves.final_save(pos)
     seconds = time.perf_counter() - began
     done = max(1, pos.step - start.step)
-    return LoopResult(pos, last_loss, seconds, seconds / done, updater.skipped)
+    return LoopResult(pos, reports.last_loss, seconds, seconds / done, updater.skipped)
 
 
-def _log_max_norm(updater: Updater, tracker: Tracker) -> None:
-    """The ``--scale_weight_norms`` statistics read since the last call, each at the step of its update (they are
-    read one update late: see ``library/train/update.py``)."""
-    for step, (keys, mean, maximum) in updater.max_norm_log:
-        tracker.log({"max_norm/keys_scaled": keys, "max_norm/average_key_norm": mean,
-                     "max_norm/max_key_norm": maximum}, step)
-    updater.max_norm_log.clear()
+def _epoch(data, loader, batch_loss: Callable[[dict], torch.Tensor], updater: Updater, plan: StepPlan,
+           saves: SaveHooks, samples: SampleHooks, reports: StepReports, on_epoch_start: Callable[[int], None],
+           pos: Position) -> bool:
+    """Train the epoch ``pos.epoch`` from its batch ``pos.batch``; False when ``--max_train_steps`` ended it early
+    (it then stays the current epoch: a resume continues it)."""
+    accum = plan.gradient_accumulation_steps
+    data.set_epoch(pos.epoch + 1, first_batch=pos.batch)
+    on_epoch_start(pos.epoch)
+    for index, batch in enumerate(_iterate(loader), start=pos.batch):
+        data.set_current_step(pos.step, plan.max_train_steps)
+        updater.backward(batch_loss(batch))
+        pos.batch = index + 1
+        if pos.batch % accum != 0 and pos.batch != len(loader):
+            continue
+        result = updater.update()
+        pos.step += 1
+        reports.after_update(result, pos)
+        if samples.every_n_steps and pos.step % samples.every_n_steps == 0:
+            reports.settle()
+            samples.sample(pos, None)
+        if saves.every_n_steps and pos.step % saves.every_n_steps == 0:
+            reports.settle()
+            saves.step_save(pos)
+        if pos.step >= plan.max_train_steps:
+            break
+    reports.flush()
+    validation = reports.validation
+    epoch_scalars = validation.at_epoch_end(pos, reports.average.moving_average) if validation is not None else {}
+    reports.tracker.log({"loss/epoch_average": reports.average.end_epoch(), **epoch_scalars}, pos.epoch + 1)
+    if pos.batch < len(loader):
+        if samples.every_n_epochs and (pos.epoch + 1) % samples.every_n_epochs == 0:
+            reports.settle()
+            samples.sample(pos, pos.epoch + 1)  # sd-scripts samples after an epoch cut short, too
+        return False
+    pos.epoch, pos.batch = pos.epoch + 1, 0
+    if saves.every_n_epochs and pos.epoch % saves.every_n_epochs == 0 and pos.epoch < plan.num_epochs:
+        reports.settle()
+        saves.epoch_save(pos)
+    if samples.every_n_epochs and pos.epoch % samples.every_n_epochs == 0:
+        reports.settle()
+        samples.sample(pos, pos.epoch)
+    return True
 
 
 def _iterate(loader) -> Iterator[dict]:

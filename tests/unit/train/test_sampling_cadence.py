@@ -46,6 +46,9 @@ class FakeUpdater:
     def check_weights(self) -> None:
         pass
 
+    def resolve(self) -> None:
+        pass
+
 
 class FakeTracker:
     def log(self, values: dict, step: int) -> None:
