@@ -74,6 +74,7 @@ class UpdateResult:
     applied: bool
     loss: float  # the window's loss: the sum of its micro-batch losses / --gradient_accumulation_steps
     grad_norm: float
+    resolved: bool = True  # the numbers are read (``Updater.resolve`` reads a deferred update's)
 
 
 @dataclass
@@ -205,6 +206,10 @@ class Updater:
             raise self._weights_diverged(weights_update)
         self.updates += 1
         return bool(numbers[0]), bool(numbers[1]), numbers[2] / self.accumulation_steps, numbers[3], numbers[5:]
+
+    def resolve(self) -> None:
+        """Read the numbers of an update decided on the device, if one is pending (nothing to do today: every
+        update reads its numbers before it steps)."""
 
     def check_weights(self) -> None:
         """Before a save and at the end: read what the last update left (one host read); raise ``TrainingDiverged``
