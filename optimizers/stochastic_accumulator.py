@@ -12,10 +12,22 @@ Project fixes to the reference: a parameter that got no gradient in the window i
 instead of raising AttributeError; hooks are attached only to bf16 parameters (for fp32 ones plain accumulation is
 exact enough and the hook would only cost time).
 
-``StochasticAccumulator`` draws its rounding bits from torch's global generator, as Torchastic does.
-``SeededStochasticAccumulator`` is the same sum with bits from a generator seeded by (seed, window, parameter,
-micro-batch) through ``rounding.step_seed``, like the optimizers' rounding: its whole random state is two integers
+``StochasticAccumulator`` draws its rounding bits from torch's global generator, as Torchastic does, and costs a
+few ops per tensor and micro-batch. ``SeededStochasticAccumulator`` is the same sum at a fixed op count per micro-batch
+whatever the number of tensors (issue 22): the hook only notes which parameters got a gradient, and the backward's
+first note queues one autograd callback that runs when the backward finishes. It copies the backward's gradients into
+a flat bf16 scratch with one ``_foreach_copy_`` (zeros where a tensor got none), adds it to a flat bf16 running sum in
+fp32 and rounds the whole buffer stochastically with the optimizers' counter-hash bits (``rounding.element_bits`` of
+the element's index in the flat buffer, seeded by (seed, window, device, micro-batch) through ``step_seed``). The
+window's first backward is copied into the sum exactly. ``reassign_grad_buffer`` makes ``p.grad`` a view of the sum (no
+copy); a tensor with no gradient in the whole window keeps ``grad`` None. Its whole random state is two integers
 (``state_dict``), so a run resumed between two updates rounds exactly as the uninterrupted one.
+
+Memory per trainable bf16 parameter: 4 B held for the run (the flat sum and the flat scratch, 2 B each); during a
+fold about 16 B more per element of a chunk of at most ``CHUNK`` elements (the fp32 sum, the element indices, the
+hashed bits); and a backward's gradients (2 B) live until its end, as without accumulation. ``FlatAccumulator`` is
+the machinery; with an fp32 sum (exact, no rounding) it holds 6 B per parameter: the fp32 sum and the scratch, into
+which the sum is cast once per window to become ``p.grad``.
 """
 
 from __future__ import annotations
@@ -26,11 +38,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from optimizers.rounding import add_stochastic_, seeded_generator, step_seed
+from optimizers.rounding import add_stochastic_, draw16, element_bits, round_bits, step_seed
 
 ACC_ATTR = "acc_grad"
+CHUNK = 1 << 24  # elements rounded per op sequence: bounds the fold's fp32 temporaries (16 M elements: ~256 MB)
+_INT31 = (1 << 31) - 1
 
 
 def _fold_grad(param: Tensor, add: Callable[[Tensor, Tensor], None]) -> None:
@@ -74,34 +89,145 @@ class StochasticAccumulator:
             delattr(param, ACC_ATTR)
 
 
-class SeededStochasticAccumulator:
-    """``StochasticAccumulator`` with reproducible rounding; one instance per model, used as the static class is."""
+class _FlatSum:
+    """The running sum of one (device, dtype) group of parameters: a flat ``total`` (bf16, or fp32 for the exact
+    sum) and a flat ``scratch`` in the parameters' dtype that receives a backward's gradients, both made once, with
+    per-parameter views; ``grads`` gives the views that become ``p.grad``."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, params: list[Tensor], number: int, sum_dtype: torch.dtype) -> None:
+        self.number = number  # position among the accumulator's groups: selects its random stream
+        self.size = sum(p.numel() for p in params)
+        self.total = torch.zeros(self.size, dtype=sum_dtype, device=params[0].device)
+        self.scratch = torch.zeros(self.size, dtype=params[0].dtype, device=params[0].device)
+        self.total_views = _views(self.total, params)
+        self.scratch_views = _views(self.scratch, params)
+        self.started = False  # whether ``total`` holds this window's sum
+
+    def fold(self, positions: list[int], grads: list[Tensor], seed: int) -> None:
+        """Add one backward's gradients (of the parameters at ``positions``; the others count as zero). bf16 sum: the
+        window's first gradients are copied into ``total``, later ones added in fp32 and stochastically rounded with
+        hashed bits of (``seed``, element index). fp32 sum: added exactly."""
+        stochastic = self.total.dtype == torch.bfloat16
+        direct = stochastic and not self.started
+        target, views = (self.total, self.total_views) if direct else (self.scratch, self.scratch_views)
+        if len(positions) < len(views):
+            target.zero_()
+        torch._foreach_copy_([views[i] for i in positions], grads)
+        if not stochastic and self.started:
+            self.total.add_(self.scratch)
+        elif not stochastic:
+            self.total.copy_(self.scratch)
+        elif self.started:
+            for start in range(0, self.size, CHUNK):
+                end = min(start + CHUNK, self.size)
+                _add_stochastic(self.total[start:end], self.scratch[start:end], start, seed)
+        self.started = True
+
+    def grads(self) -> list[Tensor]:
+        """The window's sum as per-parameter views in the parameters' dtype (fp32 sum: cast once into ``scratch``)."""
+        self.started = False
+        if self.total.dtype == self.scratch.dtype:
+            return self.total_views
+        self.scratch.copy_(self.total)
+        return self.scratch_views
+
+
+def _views(flat: Tensor, params: list[Tensor]) -> list[Tensor]:
+    """Views of consecutive pieces of ``flat`` shaped like ``params``."""
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return views
+
+
+def _add_stochastic(total: Tensor, addend: Tensor, first_index: int, seed: int) -> None:
+    """``total`` (bf16) = SR(fp32(total) + fp32(addend)), the bits of element i hashed from (``first_index`` + i,
+    ``seed``): the same counter hash as the optimizers' rounding, a fixed number of ops whatever the tensor count."""
+    index = torch.arange(first_index, first_index + total.numel(), dtype=torch.int32, device=total.device)
+    exact = total.float().add_(addend)
+    total.copy_(round_bits(exact, draw16(element_bits(index, seed), 0)))
+
+
+class FlatAccumulator:
+    """Sums the gradients of several backwards in flat buffers at a fixed op count per backward (module docstring);
+    ``sum_dtype`` bf16: seeded stochastic rounding, fp32: exact. Hooks the trainable parameters whose dtype is
+    ``dtypes`` (all but fp32 when None: autograd's own sum of fp32 gradients is already exact)."""
+
+    def __init__(self, seed: int = 0, sum_dtype: torch.dtype = torch.bfloat16,
+                 dtypes: tuple[torch.dtype, ...] | None = None) -> None:
         self.seed = seed
         self.windows = 0  # accumulation windows completed (``reassign_grad_buffer`` calls)
-        self._additions: dict[int, int] = {}
+        self.sum_dtype = sum_dtype
+        self.dtypes = dtypes
+        self._params: list[Tensor] = []
+        self._slots: list[tuple[_FlatSum, int]] = []  # per parameter: its group's sum and its position there
+        self._sums: list[_FlatSum] = []
+        self._pending: list[int] = []  # parameters whose gradient this backward produced, not folded yet
+        self._queued_task = -1  # the autograd graph task whose end will fold ``_pending``
+        self._micro = 0  # backwards folded in this window
+        self._seen: set[int] = set()  # parameters with a gradient in this window
+
+    def _hooked(self, param: Tensor) -> bool:
+        if self.dtypes is None:
+            return param.requires_grad and param.dtype != torch.float32
+        return param.requires_grad and param.dtype in self.dtypes
 
     def assign_hooks(self, model: nn.Module) -> list[RemovableHandle]:
-        """Hook every trainable bf16 parameter; the parameter's position among them selects its random stream."""
-        params = [p for p in model.parameters() if p.requires_grad and p.dtype == torch.bfloat16]
-        return [p.register_post_accumulate_grad_hook(partial(self._accumulate, index)) for index, p in
-                enumerate(params)]
+        """Make the flat sums (one per device and dtype) and hook each parameter; returns the handles."""
+        self._params = [p for p in model.parameters() if self._hooked(p)]
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for index, p in enumerate(self._params):
+            groups.setdefault((p.device, p.dtype), []).append(index)
+        slots: dict[int, tuple[_FlatSum, int]] = {}
+        for number, indices in enumerate(groups.values()):
+            flat = _FlatSum([self._params[i] for i in indices], number, self.sum_dtype)
+            self._sums.append(flat)
+            slots.update((index, (flat, position)) for position, index in enumerate(indices))
+        self._slots = [slots[index] for index in range(len(self._params))]
+        return [p.register_post_accumulate_grad_hook(partial(self._record, index))
+                for index, p in enumerate(self._params)]
 
-    def _accumulate(self, index: int, param: Tensor) -> None:
-        def add(acc: Tensor, grad: Tensor) -> None:
-            count = self._additions.get(index, 0) + 1
-            self._additions[index] = count
-            generator = seeded_generator(param.device, step_seed(self.seed, self.windows, index, count))
-            add_stochastic_(acc, grad, generator=generator)
+    def _record(self, index: int, param: Tensor) -> None:
+        """Note that ``param`` has this backward's gradient; the backward's first such note queues the fold."""
+        if param.grad is None:
+            return
+        self._pending.append(index)
+        task = torch._C._current_graph_task_id()
+        if task != self._queued_task:
+            self._queued_task = task
+            Variable._execution_engine.queue_callback(self._fold)
 
-        _fold_grad(param, add)
+    def _fold(self) -> None:
+        """At the end of a backward: fold its gradients into the flat sums (one ``_FlatSum.fold`` per group) and drop
+        ``p.grad``."""
+        pending, self._pending, self._queued_task = self._pending, [], -1
+        if not pending:  # a nested backward (reentrant checkpointing) already folded them
+            return
+        by_group: dict[int, tuple[list[int], list[Tensor]]] = {}
+        for index in pending:
+            flat, position = self._slots[index]
+            positions, grads = by_group.setdefault(flat.number, ([], []))
+            positions.append(position)
+            grads.append(self._params[index].grad)
+        for number, (positions, grads) in by_group.items():
+            seed = step_seed(self.seed, self.windows, number, self._micro) & _INT31
+            self._sums[number].fold(positions, grads, seed)
+        for index in pending:
+            self._params[index].grad = None
+        self._seen.update(pending)
+        self._micro += 1
 
     def reassign_grad_buffer(self, model: nn.Module) -> None:
-        """Move the sums into ``p.grad`` and start the next window."""
-        StochasticAccumulator.reassign_grad_buffer(model)
+        """Point ``p.grad`` at the window's sum (a view of a flat buffer) for every parameter that got a gradient in
+        the window, and start the next window. Set the gradients to None before the next backward."""
+        views = {flat.number: flat.grads() for flat in self._sums if flat.started}
+        for index in sorted(self._seen):
+            flat, position = self._slots[index]
+            self._params[index].grad = views[flat.number][position]
         self.windows += 1
-        self._additions.clear()
+        self._micro = 0
+        self._seen.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """The random state between windows (sums in progress are not part of it)."""
@@ -110,4 +236,13 @@ class SeededStochasticAccumulator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seed = int(state["seed"])
         self.windows = int(state["windows"])
-        self._additions.clear()
+        self._micro = 0
+
+
+class SeededStochasticAccumulator(FlatAccumulator):
+    """``StochasticAccumulator`` with reproducible rounding at a fixed op count: a bf16 sum of the trainable bf16
+    parameters' gradients; one instance per model, used as the static class is (``assign_hooks`` once,
+    ``reassign_grad_buffer`` at the end of every window)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed, torch.bfloat16, (torch.bfloat16,))

@@ -21,7 +21,8 @@ class PrecisionConfig:
     full_fp16: bool = flag(False, "LoRA weights and gradients in fp16, loss scaling (needs --mixed_precision fp16)")
     full_bf16_grad_accumulation: str = flag(
         "stochastic", "how bf16 gradients are summed over --gradient_accumulation_steps: a bf16 sum with "
-        "stochastic rounding (2 bytes/param) or an fp32 buffer (4 bytes/param)", choices=("stochastic", "fp32"))
+        "stochastic rounding (4 bytes/param: the sum and a scratch) or an exact fp32 sum (6 bytes/param)",
+        choices=("stochastic", "fp32"))
     fp8_base: bool = flag(False, "store the frozen UNet and text encoder weights (not the embeddings) as "
                           "float8_e4m3fn, half the memory of bf16, computed in the --mixed_precision dtype "
                           "(needs --mixed_precision fp16 or bf16)")

@@ -4,10 +4,15 @@
   bf16 weights every addition rounds to nearest, losing small contributions.
 * ``stochastic`` (default under ``--full_bf16`` with accumulation > 1): Torchastic's
   ``StochasticAccumulator`` (``optimizers/stochastic_accumulator.py``, its seeded form): the running sum is bf16
-  (2 bytes/param) and each addition is stochastically rounded, so it is unbiased. Chosen as the default
-  because it keeps the memory advantage of full bf16. Its rounding bits are seeded from the run's seed;
-  ``state_dict`` / ``load_state_dict`` carry that random state through ``--save_state`` / ``--resume``.
-* ``fp32``: the running sum is an fp32 buffer (4 bytes/param, exact), cast to bf16 once per update.
+  (2 bytes/param, and a 2-byte flat scratch that receives each micro-batch's gradients) and each addition is
+  stochastically rounded, so it is unbiased. Chosen as the default because it keeps the memory advantage of full
+  bf16. Its rounding bits are seeded from the run's seed; ``state_dict`` / ``load_state_dict`` carry that random
+  state through ``--save_state`` / ``--resume``.
+* ``fp32``: the running sum is an fp32 buffer (4 bytes/param, exact), cast to bf16 once per update into a flat
+  buffer whose views become ``.grad`` (2 bytes/param).
+
+Both fold a whole micro-batch's gradients at the end of its backward over flat buffers (one per device and dtype),
+so they dispatch a fixed number of ops per micro-batch whatever the number of LoRA tensors (issue 22).
 
 The trainer calls ``restore()`` first on every update step, before clipping reads the gradients.
 """
@@ -21,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from optimizers.stochastic_accumulator import SeededStochasticAccumulator
+from optimizers.stochastic_accumulator import FlatAccumulator, SeededStochasticAccumulator
 
 
 @dataclass
@@ -40,26 +45,10 @@ class Accumulation:
 
 
 def _fp32_buffers(model: nn.Module) -> Accumulation:
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def hook(param: torch.Tensor) -> None:
-        if param.grad is None:
-            return
-        buf = getattr(param, "acc_grad_fp32", None)
-        if buf is None:
-            param.acc_grad_fp32 = param.grad.float()
-        else:
-            buf.add_(param.grad.float())
-        param.grad = None
-
-    def restore() -> None:
-        for p in params:
-            buf = getattr(p, "acc_grad_fp32", None)
-            if buf is not None:
-                p.grad = buf.to(p.dtype)
-                del p.acc_grad_fp32
-
-    return Accumulation("fp32", restore, [p.register_post_accumulate_grad_hook(hook) for p in params])
+    """The fp32 sum in ``FlatAccumulator``'s flat buffers: a fixed op count per micro-batch, whatever the number of
+    tensors; fp32 parameters are left to autograd, whose sum of fp32 gradients is the same."""
+    accumulator = FlatAccumulator(sum_dtype=torch.float32)
+    return Accumulation("fp32", lambda: accumulator.reassign_grad_buffer(model), accumulator.assign_hooks(model))
 
 
 def build_accumulation(network: nn.Module, *, steps: int, network_dtype: torch.dtype, mode: str,
