@@ -13,16 +13,25 @@ fp32 values before it (decision (e)); the gradient is never modified.
 
 Random bits come from ``rounding.element_bits``: a hash of (element index in its tensor, the tensor's step, a seed
 from the group ``seed`` and the parameter's index in the optimizer), so a resumed run draws exactly the bits the
-uninterrupted one would have drawn and ``step_parameter(p)`` (``--fused_backward_pass``: step one tensor from a
-post-accumulate-grad hook) draws exactly those of ``step()``. In eager mode the multi-tensor step is bitwise equal to
-stepping every tensor alone; the fused ``torch.compile`` path (``compiled``) agrees to fp32 rounding.
+uninterrupted one would have drawn, and ``step_span`` (``--fused_backward_pass``: a run of consecutive tensors of a
+layout, ``spans``, stepped from a post-accumulate-grad hook) or ``step_parameter(p)`` draws exactly those of
+``step()``. In eager mode the multi-tensor step is bitwise equal to stepping every tensor alone; the fused
+``torch.compile`` path (``compiled``) agrees to fp32 rounding.
+
+Step or skip can be decided on the device: ``apply`` (a 0-d bool tensor, or one per tensor of a ``step_span``) is
+multiplied into the table's "has a gradient" column, so where it is False the kernels' masked write-backs put every
+weight and state value back as it was (bitwise: a bf16 value rounds to itself), whatever the arithmetic produced (NaN
+included), at no more ops than a step with a missing gradient and without copies of the state. The host-side step
+counters still advance; the caller that reads ``apply`` later puts them back (``library/train/update.py``). Not yet
+covered: a SPARKLES tensor kicked (stepped alone in a second pass) while its ``apply`` is False but its gradient
+finite; a non-finite gradient is never kicked (its kick distance is NaN), so the fused backward pass cannot meet it.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +39,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from optimizers.kernels import Tables
-from optimizers.layout import FlatLayout, RowRule, Rows, Span, to_device
+from optimizers.layout import FlatLayout, RowRule, Rows, Span, aligned, to_device
 from optimizers.rounding import bits_seed, tensor_seed
 
 AUTO_NUMEL = 1 << 20
@@ -126,28 +135,62 @@ class SROptimizer(Optimizer):
         return kept
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Step every parameter that has a gradient: one multi-tensor update per group (per device and dtype)."""
+    def step(self, closure: Callable[[], Any] | None = None, apply: Tensor | None = None) -> Any:
+        """Step every parameter that has a gradient: one multi-tensor update per group (per device and dtype).
+        ``apply``: None, or a 0-d bool device tensor; where False nothing is written (module docstring)."""
         loss = run_closure(closure)
         for index, group in enumerate(self.param_groups):
             for layout in self._layouts_of(index, group):
                 active = [i for i, param in enumerate(layout.params) if param.grad is not None]
                 if active:
-                    self._step_span(group, layout, layout.span(0, len(layout.params)), active)
+                    self._step_span(group, layout, layout.span(0, len(layout.params)), active, apply)
         return loss
+
+    def spans(self, size: int) -> list[list[Tensor]]:
+        """The parameters as runs of at most ``size`` consecutive tensors of one flat layout (group, device, dtype):
+        each run is what ``step_span`` steps at the cost of one multi-tensor step."""
+        runs = []
+        for index, group in enumerate(self.param_groups):
+            for layout in self._layouts_of(index, group):
+                runs += [layout.params[start:start + size] for start in range(0, len(layout.params), size)]
+        return runs
+
+    @torch.no_grad()
+    def step_span(self, params: Sequence[Tensor], apply: Tensor | None = None,
+                  grad_scale: Tensor | None = None) -> None:
+        """Step those of ``params`` (tensors of one flat layout, e.g. a run of ``spans``) that have a gradient, at the
+        cost of one multi-tensor step. ``apply``: None, a 0-d bool device tensor or one per entry of ``params``;
+        where False the tensor's weights and state keep their values. ``grad_scale``: one factor per entry of
+        ``params`` (gradient clipping) multiplied into the gathered gradient in its dtype, as ``grad.mul_(factor)``
+        would, leaving ``.grad`` itself alone; a non-finite factor counts as 1 (such a gradient is not finite anyway,
+        and the buffers' padding stays zero)."""
+        group, layout, positions = self._locate(params)
+        active = [position for position, param in zip(positions, params, strict=True) if param.grad is not None]
+        if not active:
+            return
+        span = layout.span(min(positions), max(positions) + 1)
+        if grad_scale is not None:
+            grad_scale = torch.nan_to_num(grad_scale, nan=1.0, posinf=1.0, neginf=1.0)
+        self._step_span(group, layout, span, active, aligned(apply, positions, span),
+                        aligned(grad_scale, positions, span))
 
     @torch.no_grad()
     def step_parameter(self, param: Tensor) -> None:
         """Step one parameter now (fused backward pass); a no-op when it has no gradient."""
-        group = self._group_of.get(param)
+        self.step_span([param])
+
+    def _locate(self, params: Sequence[Tensor]) -> tuple[dict[str, Any], FlatLayout, list[int]]:
+        """The group and flat layout that hold ``params``, and their positions in it."""
+        group = self._group_of.get(params[0]) if params else None
         if group is None:
-            raise ValueError(f"{type(self).__name__}.step_parameter: this tensor is not one of the optimizer's params")
-        if param.grad is None:
-            return
+            raise ValueError(f"{type(self).__name__}.step_span: not tensors of the optimizer's params")
         index = next(i for i, candidate in enumerate(self.param_groups) if candidate is group)
-        layout = next(layout for layout in self._layouts_of(index, group) if param in layout.index)
-        position = layout.index[param]
-        self._step_span(group, layout, layout.span(position, position + 1), [position])
+        layout = next(layout for layout in self._layouts_of(index, group) if params[0] in layout.index)
+        positions = [layout.index.get(param, -1) for param in params]
+        if min(positions) < 0:
+            raise ValueError(f"{type(self).__name__}.step_span: the tensors must share one group, device and dtype "
+                             "(take them from spans())")
+        return group, layout, positions
 
     def rules(self, group: dict[str, Any]) -> dict[str, RowRule]:
         """Row kinds the update needs for ``group`` (kind -> row length of a tensor); none by default."""
@@ -211,7 +254,9 @@ class SROptimizer(Optimizer):
         """Group options the row rules depend on (a change rebuilds the layout)."""
         return None
 
-    def _step_span(self, group: dict[str, Any], layout: FlatLayout, span: Span, active: list[int]) -> None:
+    def _step_span(self, group: dict[str, Any], layout: FlatLayout, span: Span, active: list[int],
+                   apply: Tensor | None = None, grad_scale: Tensor | None = None) -> None:
+        """Step tensors ``active`` of ``span``; ``apply`` and ``grad_scale`` are 0-d or one value per span tensor."""
         for position in active:
             state = self.state[layout.params[position]]
             if not state:
@@ -220,7 +265,10 @@ class SROptimizer(Optimizer):
                 self.init_state(state)
             state["step"] += 1
         layout.gather(active)
-        self.update(group, Batch(self, group, layout, span, set(active)))
+        batch = Batch(self, group, layout, span, set(active), apply)
+        if grad_scale is not None:
+            batch.g.mul_(batch.spread(grad_scale).to(layout.dtype))
+        self.update(group, batch)
         layout.scatter(active)
 
     def tables(self, group: dict[str, Any], layout: FlatLayout, span: Span,
@@ -249,19 +297,28 @@ class SROptimizer(Optimizer):
 class Batch:
     """One step's inputs on a span: [chunks, C] buffers, the per-tensor ``tables`` and the row structures.
 
-    ``masked`` says whether some tensor of the span has no gradient (the write-backs then keep its values).
+    ``masked`` says whether some tensor of the span may keep its values (no gradient, or ``apply`` given: the
+    write-backs then keep them); ``apply`` (0-d or one per span tensor) is multiplied into the "has a gradient" column.
     """
 
     def __init__(self, optimizer: SROptimizer, group: dict[str, Any], layout: FlatLayout, span: Span,
-                 active: set[int]) -> None:
+                 active: set[int], apply: Tensor | None = None) -> None:
         self.layout, self.span, self.active = layout, span, active
         self.p, self.g, self.states = layout.blocks(span)
         floats, seeds = optimizer.tables(group, layout, span, active)
+        if apply is not None:
+            floats[:, -1].mul_(apply)
         owner = None if span.t1 - span.t0 == 1 else layout.owner(span)
         self.tables = Tables(floats, seeds, owner, layout.chunk_base[span.c0:span.c1], layout.column)
-        self.masked = len(active) < span.t1 - span.t0
+        self.masked = apply is not None or len(active) < span.t1 - span.t0
         self.rounding = optimizer.rounding(group, layout.dtype)
         self.numel = (span.c1 - span.c0) * layout.chunk
 
     def rows(self, kind: str) -> Rows:
         return self.layout.rows(kind, self.span)
+
+    def spread(self, per_tensor: Tensor) -> Tensor:
+        """One value per span tensor (or a 0-d one) as a [chunks, 1] column."""
+        if per_tensor.dim() == 0:
+            return per_tensor.view(1, 1)
+        return self.tables.spread(per_tensor).view(-1, 1)

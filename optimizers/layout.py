@@ -17,8 +17,9 @@ versions. Per step, whatever the number of tensors:
 
 ``C`` divides every row length in use (a chunk never straddles two rows) and is at most ``CHUNK``; without row rules
 slots are padded to a multiple of ``CHUNK`` (the padding stays zero and is never copied anywhere). A ``Span`` is a
-run of consecutive tensors of the layout (all of them for ``step()``, one for ``step_parameter``); kernels work on a
-span's chunks. Per-step host data (the tables) goes to CUDA from pinned memory without blocking: no host sync.
+run of consecutive tensors of the layout (all of them for ``step()``, a few for ``step_span``, one for
+``step_parameter``); kernels work on a span's chunks. Per-step host data (the tables) goes to CUDA from pinned
+memory without blocking: no host sync.
 """
 
 from __future__ import annotations
@@ -89,6 +90,15 @@ class Span:
     t1: int
     c0: int
     c1: int
+
+
+def aligned(values: Tensor | None, positions: Sequence[int], span: Span) -> Tensor | None:
+    """Per-tensor ``values`` given for the tensors at ``positions`` as one value per tensor of ``span`` (zero for
+    the others); None and 0-d values as they are. Free when ``positions`` are the span in order (the usual case)."""
+    if values is None or values.dim() == 0 or list(positions) == list(range(span.t0, span.t1)):
+        return values
+    index = to_device([position - span.t0 for position in positions], torch.int64, values.device)
+    return torch.zeros(span.t1 - span.t0, dtype=values.dtype, device=values.device).index_copy_(0, index, values)
 
 
 class FlatLayout:

@@ -22,10 +22,20 @@ save, and at the end), so they cost no read of their own. With several processes
 update, a status exchange of host integers and the all-reduce of one device buffer that also sums the processes'
 loss flags, so the update's one read still decides for every process alike.
 
-Under ``--fused_backward_pass`` (one micro-batch per update) each tensor is clipped (per tensor, as sd-scripts'
-fused Adafactor does) and stepped inside backward; a tensor whose gradient is non-finite (or all of them, when the
-loss is) gets its weights and optimizer state back on the device right after its step, so no value of that step
-survives, and the update counts as non-finite. Its host-side state (the step counter) is put back at the read.
+Under ``--fused_backward_pass`` (one micro-batch per update) the tensors are stepped inside backward, a span at a
+time: runs of ``FUSED_SPAN`` consecutive tensors of the optimizer's flat layout (``SROptimizer.spans``). The
+post-accumulate-grad hooks only note arrivals on the host; when the last gradient that this backward will compute for
+a span arrives (the autograd engine says which tensors it will reach: module dropout and unused text encoder layers
+leave some out), the span is clipped per tensor (one ``_foreach_norm``, as sd-scripts' fused Adafactor clips each
+tensor), stepped with one multi-tensor step and its gradients freed; spans still waiting at ``update()`` are stepped
+there. A span's gradients coexist until it is stepped: at most ``FUSED_SPAN`` tensors' per span. Backward fills
+the spans one after the other where the layout keeps the parameter order (no row rules: StochasticAdamW and Compass
+without centralization); with row rules (SPARKLES, centralization) the layout orders tensors by row length, so about
+one span per distinct row length (LoRA: the rank and a few layer widths) is open at a time. Either way the gradients
+of the whole network never coexist. A tensor whose gradient is non-finite (or all of them, when the loss is) has its
+step masked on the device (the optimizer's ``apply`` flags), so no value of that step survives, and the update counts
+as non-finite; its host-side state (the step counter) is put back at the read. The ops per update grow with the
+number of spans, a constant per ``FUSED_SPAN`` tensors.
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ from library.base.errors import TrainingDiverged
 from library.train.accumulation import Accumulation
 from library.train.finite import all_finite
 from library.train.readout import Readout
+
+FUSED_SPAN = 32  # tensors per fused-backward span: ~60 ops per span, so ~2 ops per tensor
 
 
 @dataclass
@@ -79,12 +91,11 @@ class UpdateResult:
 
 @dataclass
 class _FusedStep:
-    """What ``_step_one`` needs to undo a tensor's step at the read: its finite flag and its host-side state."""
+    """One span stepped inside backward: its tensors, their ``apply`` flags (device) and host-side state before."""
 
-    param: torch.nn.Parameter
-    finite: torch.Tensor
-    host_state: dict[str, Any]
-    had_state: bool
+    params: list[torch.nn.Parameter]
+    applied: torch.Tensor
+    host_states: list[dict[str, Any] | None]
 
 
 @dataclass
@@ -113,11 +124,22 @@ class Updater:
     _nan_streak: int = 0
     _fused_steps: list[_FusedStep] = field(default_factory=list)
     _fused_sq_norm: torch.Tensor | None = None
+    _spans: list[list[torch.nn.Parameter]] = field(default_factory=list)
+    _span_of: dict[torch.nn.Parameter, int] = field(default_factory=dict)
+    _accumulators: list[list[Any]] = field(default_factory=list)  # each tensor's AccumulateGrad node, held
+    _pending: dict[int, list[torch.nn.Parameter]] = field(default_factory=dict)  # span -> gradients arrived
+    _expected: list[int] | None = None  # per span: the gradients this backward computes
 
     def __post_init__(self) -> None:
         if self.fused:
-            for p in self.params:
-                p.register_post_accumulate_grad_hook(self._step_one)
+            self._spans = self.optimizer.spans(FUSED_SPAN)
+            with torch.enable_grad():
+                self._accumulators = [[p.view_as(p).grad_fn.next_functions[0][0] for p in span]
+                                      for span in self._spans]
+            for index, span in enumerate(self._spans):
+                for p in span:
+                    self._span_of[p] = index
+                    p.register_post_accumulate_grad_hook(self._arrived)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch; the loss is divided by the accumulation count (sd-scripts/accelerate).
@@ -133,34 +155,43 @@ class Updater:
             scaled = scaled * self.loss_scale.scale
         scaled.backward()
 
-    def _step_one(self, param: torch.nn.Parameter) -> None:
-        """``--fused_backward_pass``: clip this tensor, step it, undo the step on the device when its gradient (or
-        the loss) is non-finite, and free its gradient, so that gradients of the whole network never coexist."""
-        grad = param.grad
+    def _arrived(self, param: torch.nn.Parameter) -> None:
+        """``--fused_backward_pass`` hook: note the arrival (host only); step the span once every gradient this
+        backward computes for it is here. Which tensors backward reaches is asked of the autograd engine once per
+        update, at the first arrival; a span whose arrivals the engine did not foresee (gradients from a nested,
+        reentrant backward) waits for ``update()``."""
+        if self._expected is None:
+            self._expected = [sum(map(torch._C._will_engine_execute_node, nodes)) for nodes in self._accumulators]
+        span = self._span_of[param]
+        pending = self._pending.setdefault(span, [])
+        pending.append(param)
+        if len(pending) == self._expected[span]:
+            self._step_span(span)
+
+    def _step_span(self, span: int) -> None:
+        """Clip each tensor of the span's arrived gradients, step them together, mask on the device the step of a
+        tensor whose gradient (or the loss) is non-finite, and free the gradients."""
+        params = self._pending.pop(span)
+        grads = [p.grad for p in params]
         if self.loss_scale is not None:
-            grad.div_(self.loss_scale.scale)
-        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        finite = torch.isfinite(norm)
+            torch._foreach_div_(grads, self.loss_scale.scale)
+        norms = torch.stack(torch._foreach_norm(grads, dtype=torch.float32))
+        finite = torch.isfinite(norms)
         if self._loss_finite is not None:
             finite = finite & self._loss_finite
-        square = torch.where(finite, norm.square(), 0.0)
+        square = torch.where(finite, norms.square(), 0.0).sum()
         self._fused_sq_norm = square if self._fused_sq_norm is None else self._fused_sq_norm + square
-        if self.max_grad_norm > 0:
-            grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(grad.dtype))
-        state = self.optimizer.state[param]
-        had_state = bool(state)
-        host_state = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
-        before = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
-        weights = param.detach().clone()
-        self.optimizer.step_parameter(param)
-        with torch.no_grad():
-            param.copy_(torch.where(finite, param, weights))
-            for key, value in self.optimizer.state[param].items():
-                if isinstance(value, torch.Tensor):
-                    kept = before.get(key, torch.zeros((), dtype=value.dtype, device=value.device))
-                    value.copy_(torch.where(finite, value, kept))
-        self._fused_steps.append(_FusedStep(param, finite, host_state, had_state))
-        param.grad = None
+        scale = torch.clamp(self.max_grad_norm / (norms + 1e-6), max=1.0) if self.max_grad_norm > 0 else None
+        host_states = [self._host_state(p) for p in params]
+        self.optimizer.step_span(params, apply=finite, grad_scale=scale)
+        self._fused_steps.append(_FusedStep(params, finite, host_states))
+        for p in params:
+            p.grad = None
+
+    def _host_state(self, param: torch.nn.Parameter) -> dict[str, Any] | None:
+        """The optimizer's host-side state of ``param`` (its step counter...), None when it has none yet."""
+        state = self.optimizer.state.get(param)
+        return {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)} if state else None
 
     def update(self) -> UpdateResult:
         """Finish the accumulation window: apply the update if everything is finite, else skip it."""
@@ -228,10 +259,13 @@ class Updater:
 
     def _finish_fused(self) -> UpdateResult:
         """The parameters were stepped inside backward; the read, the undo, the schedule and statistics remain."""
+        for span in list(self._pending):  # spans whose arrivals the engine did not foresee
+            self._step_span(span)
+        self._expected = None
         steps, self._fused_steps = self._fused_steps, []
         sq_norm, self._fused_sq_norm = self._fused_sq_norm, None
         device = self.params[0].device
-        flags = torch.stack([s.finite for s in steps]) if steps else torch.ones(0, dtype=torch.bool, device=device)
+        flags = torch.cat([s.applied for s in steps]) if steps else torch.ones(0, dtype=torch.bool, device=device)
         self._weights_finite = (all_finite(self.params), self.updates + 1)
         norm = (sq_norm if sq_norm is not None else torch.zeros((), device=device)).sqrt()
         loss_finite, finite, loss, norm_value, tensor_finite = self._read(flags.all(), norm, flags)
@@ -249,15 +283,18 @@ class Updater:
         self._max_norm()
         return UpdateResult(applied=True, loss=loss, grad_norm=norm_value)
 
-    def _undo_host_state(self, steps: list[_FusedStep], finite: list[float]) -> None:
-        """Put back the host-side optimizer state of the tensors whose step was undone on the device."""
-        for step, ok in zip(steps, finite, strict=True):
-            if ok:
-                continue
-            if step.had_state:
-                self.optimizer.state[step.param].update(step.host_state)
-            else:
-                self.optimizer.state.pop(step.param, None)
+    def _undo_host_state(self, steps: list[_FusedStep], applied: list[float]) -> None:
+        """Put back the host-side optimizer state of the tensors whose step was masked on the device (``applied``:
+        the flags of every stepped tensor, in the order of ``steps``)."""
+        flags = iter(applied)
+        for step in steps:
+            for param, host_state in zip(step.params, step.host_states, strict=True):
+                if next(flags):
+                    continue
+                if host_state is None:
+                    self.optimizer.state.pop(param, None)
+                else:
+                    self.optimizer.state[param].update(host_state)
 
     def _max_norm(self) -> None:
         """``--scale_weight_norms`` after the step; its statistics (keys scaled, mean and max norm) are read with the

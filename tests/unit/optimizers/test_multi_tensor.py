@@ -227,3 +227,95 @@ def test_fused_and_foreach_adamw_give_the_same_weights_through_the_rounding_wrap
         results.append([param.detach().clone() for param in params])
     for fused, foreach in zip(*results, strict=True):
         torch.testing.assert_close(fused, foreach, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_step_span_with_apply_flags_masks_on_the_device_and_equals_per_tensor_steps(name: str) -> None:
+    """``step_span`` with one ``apply`` flag per tensor (a NaN gradient where it is False): the applied tensors
+    end bitwise where ``step_parameter`` of each alone puts them (bf16, stochastic rounding), the others keep their
+    weights and state bitwise, NaN never written; a 0-d False flag leaves the whole span as it was."""
+    spanned, alone = make_params(8, torch.bfloat16), make_params(8, torch.bfloat16)
+    optimizer = build_optimizer(name, spanned, 1e-3, seed=3)
+    reference = build_optimizer(name, alone, 1e-3, seed=3)
+    applied = [i % 3 != 1 for i in range(8)]
+    for step in range(3):
+        set_grads(spanned, "all", step)
+        set_grads(alone, "all", step)
+        flags = applied if step == 2 else [True] * 8
+        for param, ok in zip(spanned, flags, strict=True):
+            param.grad = param.grad if ok else torch.full_like(param, float("nan"))
+        before = [(param.detach().clone(), {k: v.clone() for k, v in optimizer.state[param].items()
+                                             if isinstance(v, torch.Tensor)}) for param in spanned]
+        optimizer.step_span(spanned, apply=torch.tensor(flags))
+        for param, ok in zip(alone, flags, strict=True):
+            if ok:
+                reference.step_parameter(param)
+    for i, (param, (weight, state)) in enumerate(zip(spanned, before, strict=True)):
+        if applied[i]:
+            assert torch.equal(param.detach(), alone[i].detach()), i
+        else:
+            assert torch.equal(param.detach(), weight), i
+            assert all(torch.equal(optimizer.state[param][k], v) for k, v in state.items()), i
+    assert all(torch.isfinite(param).all() for param in spanned)
+    weights = [param.detach().clone() for param in spanned]
+    set_grads(spanned, "all", 3)
+    optimizer.step_span(spanned, apply=torch.tensor(False))
+    assert all(torch.equal(a.detach(), b) for a, b in zip(spanned, weights, strict=True))
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_step_span_grad_scale_equals_scaling_each_gradient_and_leaves_grad_alone(name: str) -> None:
+    """Per-tensor clipping factors in the flat buffer: bitwise ``grad.mul_(factor.to(grad.dtype))`` per tensor
+    (what the per-tensor fused path did), the ``.grad`` tensors untouched; tensors given out of layout order."""
+    spanned, scaled = make_params(6, torch.bfloat16), make_params(6, torch.bfloat16)
+    optimizer = build_optimizer(name, spanned, 1e-3, seed=1)
+    reference = build_optimizer(name, scaled, 1e-3, seed=1)
+    factors = torch.tensor([0.5, 1.0, 0.125, 0.3, 1.0, 0.07])
+    order = [3, 0, 5, 1, 4, 2]
+    for step in range(2):
+        set_grads(spanned, "all", step)
+        set_grads(scaled, "all", step)
+        grads = [param.grad.clone() for param in spanned]
+        optimizer.step_span([spanned[i] for i in order], grad_scale=factors[order])
+        assert all(torch.equal(param.grad, grad) for param, grad in zip(spanned, grads, strict=True))
+        for param, factor in zip(scaled, factors, strict=True):
+            param.grad.mul_(factor.to(param.grad.dtype))
+        reference.step()
+    for a, b in zip(spanned, scaled, strict=True):
+        assert torch.equal(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_step_span_cost_does_not_grow_with_the_span(name: str) -> None:
+    """A span step with apply flags and clipping factors costs the same ops for 8 and 32 tensors, a few more than
+    a plain step: the masks of the write-backs (at most three ops per written buffer, as for missing gradients),
+    the flags' product and the factors' spread (ten at most)."""
+    counts = {}
+    for count in (8, 32):
+        params = make_params(count, torch.bfloat16)
+        optimizer = build_optimizer(name, params, 1e-3)
+        with Counting() as counter:
+            costs = []
+            for step in range(3):
+                set_grads(params, "all", step)
+                apply, scale = torch.ones(count, dtype=torch.bool), torch.full((count,), 0.5)
+                counter.next_step()
+                optimizer.step_span(params, apply=apply, grad_scale=scale)
+                costs.append(counter.next_step())
+        counts[count] = [cost.op_count for cost in costs[1:]]
+        assert all(len(cost.syncs) <= (1 if name == "SPARKLES" else 0) for cost in costs)
+    params = make_params(8, torch.bfloat16)
+    plain = step_costs(build_optimizer(name, params, 1e-3), params, "all")
+    assert counts[8] == counts[32], counts
+    writes = len(build_optimizer(name, params, 1e-3).state_names) + 1
+    assert max(counts[8]) <= plain[1].op_count + 3 * writes + 10, (counts, plain[1].op_count)
+
+
+def test_spans_cover_each_layout_in_runs_of_consecutive_tensors() -> None:
+    params = make_params(10, torch.float32) + make_params(3, torch.bfloat16)
+    optimizer = build_optimizer("StochasticAdamW", params, 1e-3)
+    spans = optimizer.spans(4)
+    assert [len(span) for span in spans] == [4, 4, 2, 3]
+    assert [param for span in spans for param in span] == params
+    with pytest.raises(ValueError, match="one group, device and dtype"):
+        optimizer.step_span([params[0], params[-1]])

@@ -8,7 +8,7 @@ from torch import nn
 
 from library.base.errors import TrainingDiverged
 from library.train.accumulation import build_accumulation
-from library.train.update import DynamicLossScale, Updater
+from library.train.update import FUSED_SPAN, DynamicLossScale, Updater
 from optimizers import StochasticAdamW
 
 
@@ -222,3 +222,85 @@ def test_fused_backward_with_a_nan_loss_leaves_no_optimizer_state_behind():
     assert not u.update().applied
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     assert not any(opt.state[p] for p in model.parameters())  # the first step is undone entirely
+
+
+class Deep(nn.Module):
+    """40 bf16 linear layers (80 tensors: three fused spans) and one layer that forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.unused = nn.Linear(6, 6)
+        self.layers = nn.Sequential(*[nn.Linear(6, 6) for _ in range(40)])
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _deep_loss(model: nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    return nn.functional.mse_loss(model(x.bfloat16()).float(), y) * 100
+
+
+def test_fused_spans_equal_each_tensor_clipped_and_stepped_alone():
+    """Three updates of 80 tensors in spans, clipping active (limit 1e-3): bitwise what the per-tensor fused path
+    did, rebuilt here from its definition (a tensor's fp32 norm, ``grad.mul_(min(limit / (norm + 1e-6), 1))`` in
+    bf16, ``step_parameter``); the layer forward never uses keeps no state."""
+    fused, alone = Deep(), Deep()
+    optimizer = StochasticAdamW(fused.parameters(), lr=1e-2, seed=2)
+    u = _updater(fused, 1, dtype=torch.bfloat16, optimizer=optimizer, fused=True, max_grad_norm=1e-3)
+    reference = StochasticAdamW(alone.parameters(), lr=1e-2, seed=2)
+    for step in range(3):
+        u.backward(_deep_loss(fused, step))
+        assert u.update().applied
+        _deep_loss(alone, step).backward()
+        for param in alone.parameters():
+            if param.grad is not None:
+                norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32)
+                param.grad.mul_(torch.clamp(1e-3 / (norm + 1e-6), max=1.0).to(param.grad.dtype))
+                reference.step_parameter(param)
+                param.grad = None
+    for a, b in zip(fused.parameters(), alone.parameters(), strict=True):
+        assert torch.equal(a.detach(), b.detach())
+    assert not optimizer.state[fused.unused.weight] and optimizer.state[fused.layers[0].weight]["step"] == 3
+
+
+def test_fused_backward_steps_each_span_inside_backward_with_one_span_of_gradients_alive():
+    """Each span is stepped when backward has computed its last gradient (the unused layer does not hold its span
+    back), never with more than ``FUSED_SPAN`` gradients alive, and backward ends with every gradient freed."""
+    model = Deep()
+    optimizer = StochasticAdamW(model.parameters(), lr=1e-2)
+    u = _updater(model, 1, dtype=torch.bfloat16, optimizer=optimizer, fused=True)
+    alive: list[int] = []
+    step_span = optimizer.step_span
+
+    def counted(params, **kwargs):
+        alive.append(sum(p.grad is not None for p in model.parameters()))
+        step_span(params, **kwargs)
+
+    optimizer.step_span = counted
+    u.backward(_deep_loss(model, 0))
+    assert len(alive) == math.ceil(82 / FUSED_SPAN) and max(alive) <= FUSED_SPAN
+    assert all(p.grad is None for p in model.parameters())
+    assert u.update().applied and len(alive) == 3
+
+
+def test_fused_backward_puts_back_the_step_counter_of_a_masked_tensor_only():
+    model = Deep()
+    optimizer = StochasticAdamW(model.parameters(), lr=1e-2)
+    u = _updater(model, 1, dtype=torch.bfloat16, optimizer=optimizer, fused=True)
+    u.backward(_deep_loss(model, 0))
+    assert u.update().applied
+    broken = model.layers[20].weight
+    weight, state = broken.detach().clone(), {k: v.clone() for k, v in optimizer.state[broken].items()
+                                              if isinstance(v, torch.Tensor)}
+    handle = broken.register_hook(lambda grad: grad * float("nan"))
+    u.backward(_deep_loss(model, 1))
+    handle.remove()
+    assert not u.update().applied
+    assert torch.equal(broken.detach(), weight) and optimizer.state[broken]["step"] == 1
+    assert all(torch.equal(optimizer.state[broken][k], v) for k, v in state.items())
+    steps = {optimizer.state[p]["step"] for p in model.layers.parameters() if p is not broken}
+    assert steps == {2}
