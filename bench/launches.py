@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,28 +138,65 @@ def window_ops(family: str, out: Path, updates: int, *flags: str) -> tuple[float
 
 
 def _child(args: argparse.Namespace, argv: list[str]) -> int:
+    """One counted run (``count_run``) in this process; prints its report, with the process's rank, on one line."""
     report = count_run(args.family, argv)
     report["rank"] = int(os.environ.get("RANK", "0"))
     print(MARKER + json.dumps(report), flush=True)
     return 0
 
 
+def child_command(family: str, argv: list[str], processes: int) -> list[str]:
+    """The command of a counted run in a fresh process: ``torchrun --standalone`` (gloo on the CPU) for several."""
+    child = ["-m", "bench.launches", "--child", "--family", family, "--", *argv]
+    if processes > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+                *child]
+    return [sys.executable, *child]
+
+
+def child_reports(output: str, processes: int) -> list[dict[str, Any]]:
+    """The reports that the processes of a counted run printed, by rank; a ValueError when one is missing."""
+    reports = sorted((json.loads(line[len(MARKER):]) for line in output.splitlines() if line.startswith(MARKER)),
+                     key=lambda report: report["rank"])
+    if [report["rank"] for report in reports] != list(range(processes)):
+        raise ValueError(f"expected the reports of {processes} process(es), got {len(reports)}")
+    return reports
+
+
+def _run_child(command: list[str]) -> str:
+    """Run a counted run's command in this checkout; its standard output, or a RuntimeError with its end."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+    return done.stdout
+
+
 def _launch(family: str, updates: int, flags: tuple[str, ...], processes: int, folder: Path) -> dict[str, Any]:
     """One counted run in a fresh process (``torchrun`` for several); the report of process 0."""
     out = folder / f"{family}-{updates}-{processes}-{abs(hash(flags))}"
-    argv = run_args(family, out, updates, *flags)
-    child = ["--child", "--family", family, "--", *argv]
-    if processes > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-                   "--master_port", str(29500 + os.getpid() % 1000), "-m", "bench.launches", *child]
-    else:
-        command = [sys.executable, "-m", "bench.launches", *child]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, check=False)
-    reports = [json.loads(line[len(MARKER):]) for line in done.stdout.splitlines() if line.startswith(MARKER)]
-    if done.returncode != 0 or len(reports) != processes:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
-    return next(report for report in reports if report["rank"] == 0)
+    return child_reports(_run_child(child_command(family, run_args(family, out, updates, *flags), processes)),
+                         processes)[0]
+
+
+def steady_windows(report: dict[str, Any]) -> tuple[float, float]:
+    """The median ops and mean syncs of a report's update windows after the first two (as ``window_ops``)."""
+    import statistics
+
+    steady = report["windows"][2:]
+    if not steady:
+        raise ValueError(f"steady windows need at least 3 updates, got {len(report['windows'])}")
+    return statistics.median(ops for ops, _ in steady), sum(syncs for _, syncs in steady) / len(steady)
+
+
+def processes_window_ops(family: str, out: Path, updates: int, processes: int, *flags: str,
+                         run: Callable[[list[str]], str] | None = None) -> list[tuple[float, float, int]]:
+    """``window_ops`` of each process of a ``torchrun`` run of ``processes`` processes (gloo on the CPU): per
+    rank, the median ops and mean syncs of its update windows after the first two, and its LoRA tensor count.
+    ``run`` starts the command and returns its standard output (the tests pass their time-limited launcher);
+    by default a plain subprocess in this checkout."""
+    output = (run or _run_child)(child_command(family, run_args(family, out, updates, *flags), processes))
+    return [(*steady_windows(report), report["tensors"]) for report in child_reports(output, processes)]
 
 
 def per_update(family: str, flags: tuple[str, ...], folder: Path, processes: int = 1) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from optimizers.rounding import seeded_generator, step_seed, stochastic_round
+from optimizers.rounding import copy_stochastic_, seeded_generator, step_seed
 
 
 @dataclass
@@ -30,6 +30,14 @@ class GradientReducer:
     every process): a bf16 sum would round to nearest and undo what the stochastic accumulation kept. fp16
     gradients (``--full_fp16``) are rounded to nearest. fp32 gradients are copied out of the buffer, or with
     ``--ddp_gradient_as_bucket_view`` become views of it (one copy of the gradients less in memory).
+
+    The buffers (the fp32 one and one per low-precision dtype, which the bf16 and fp16 ``.grad`` are views of) and
+    a view of them shaped like each tensor are made once, so packing and unpacking are a fixed number of
+    ``_foreach_copy_`` ops per update whatever the number of tensors (issue 22: one copy per tensor each way
+    before). They are written again at the next reduction: the update sets ``.grad`` to None in between
+    (``zero_grad(set_to_none=True)``), and a ``.grad`` still there is packed before it is overwritten. The one
+    per-tensor op left is a copy of a tensor this process had no gradient for while another process had
+    (default mode, fp32).
     """
 
     all_reduce_sum: Callable[[torch.Tensor, Sequence[int]], list[int]]  # ``Processes.all_reduce_sum``: a sync point
@@ -42,6 +50,9 @@ class GradientReducer:
     _flat: torch.Tensor | None = None
     _slots: list[tuple[int, int, int]] = field(default_factory=list)  # (param index, start, stop)
     _regions: dict[torch.dtype, tuple[int, int]] = field(default_factory=dict)
+    _views: list[torch.Tensor] = field(default_factory=list)  # per param index: its slot of the flat buffer
+    _low: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # region, rounded
+    _low_views: dict[int, torch.Tensor] = field(default_factory=dict)  # param index: its slot of the rounded one
 
     def __post_init__(self) -> None:
         order = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -53,57 +64,85 @@ class GradientReducer:
             start += p.numel()
             self._regions[p.dtype] = (low, start)
 
+    def _buffers(self) -> torch.Tensor:
+        """The flat buffer (made at the first reduction) and, once, the views of it and of the rounded buffers."""
+        if self._flat is not None:
+            return self._flat
+        size = self._slots[-1][2] if self._slots else 0
+        flat = self._flat = torch.empty(size + 1, dtype=torch.float32, device=self.device)
+        for dtype, (low, high) in self._regions.items():
+            if dtype != torch.float32:
+                self._low[dtype] = (flat[low:high], torch.empty(high - low, dtype=dtype, device=self.device))
+        for index, start, stop in sorted(self._slots):
+            p = self.params[index]
+            self._views.append(flat[start:stop].view_as(p))
+            if p.dtype in self._low:
+                offset = self._regions[p.dtype][0]
+                self._low_views[index] = self._low[p.dtype][1][start - offset:stop - offset].view_as(p)
+        return flat
+
     def reduce(self, loss_finite: torch.Tensor | None) -> torch.Tensor | None:
         """Average the gradients over the processes; returns whether every process's loss was finite, a device flag
         (so that no host sync is needed; ``loss_finite`` None: no micro-batch here, counted as finite). A single
         process returns ``loss_finite`` unchanged."""
         if self.world_size <= 1:  # a single process
             return loss_finite
-        size = self._slots[-1][2] if self._slots else 0
-        if self._flat is None or self.as_views:  # views: a new buffer, the previous one is the last update's .grad
-            self._flat = torch.empty(size + 1, dtype=torch.float32, device=self.device)
-        flat = self._flat
-        present = [0] * len(self.params)
+        flat = self._buffers()
+        grads = [p.grad for p in self.params]
+        present = [int(grad is not None) for grad in grads]
         with torch.no_grad():
-            for index, start, stop in self._slots:
-                grad = self.params[index].grad
-                if grad is None:
-                    flat[start:stop].zero_()
-                else:
-                    flat[start:stop].copy_(grad.reshape(-1))
-                    present[index] = 1
+            self._pack(grads)
+            flag = flat[-1:]
             if loss_finite is None:
-                flat[size:].zero_()
+                flag.zero_()
             else:
-                flat[size:].copy_((~loss_finite.to(flat.device, torch.bool)).float().reshape(1))
+                flag.copy_((~loss_finite.to(flat.device, torch.bool)).float().reshape(1))
             counts = self.all_reduce_sum(flat, present)
-            flat[:size].div_(self.world_size)
-            self._assign(flat, counts)
+            flat[:-1].div_(self.world_size)
+            self._assign(grads, counts)
         self.reductions += 1
-        return flat[size] == 0
+        return flat[-1] == 0
 
-    def _assign(self, flat: torch.Tensor, counts: list[int]) -> None:
-        rounded: dict[torch.dtype, torch.Tensor] = {}
-        for dtype, (low, high) in self._regions.items():
+    def _pack(self, grads: list[torch.Tensor | None]) -> None:
+        """Each gradient into its slot (one ``_foreach_copy_`` per gradient dtype), zeros where there is none."""
+        by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        missing = []
+        for view, grad in zip(self._views, grads, strict=True):
+            if grad is None:
+                missing.append(view)
+                continue
+            targets, sources = by_dtype.setdefault(grad.dtype, ([], []))
+            targets.append(view)
+            sources.append(grad)
+        for targets, sources in by_dtype.values():
+            torch._foreach_copy_(targets, sources)
+        if missing:
+            torch._foreach_zero_(missing)
+
+    def _assign(self, grads: list[torch.Tensor | None], counts: list[int]) -> None:
+        """The mean into ``.grad``: rounded into the low-precision buffers, whose views the bf16 / fp16 gradients
+        become; fp32 ones copied into this process's fp32 gradients (``as_views``: views of the flat buffer)."""
+        for dtype, (region, rounded) in self._low.items():
+            generator = None
             if dtype == torch.bfloat16:
-                generator = seeded_generator(flat.device, step_seed(self.seed, self.reductions))
-                rounded[dtype] = stochastic_round(flat[low:high], generator)
-            elif dtype != torch.float32:
-                rounded[dtype] = flat[low:high].to(dtype)
-        for index, start, stop in self._slots:
-            p = self.params[index]
+                generator = seeded_generator(self._flat.device, step_seed(self.seed, self.reductions))
+            copy_stochastic_(rounded, region, generator)
+        targets, sources = [], []
+        for index, p in enumerate(self.params):
+            grad = grads[index]
             if not counts[index]:
                 p.grad = None
-                continue
-            if p.dtype in rounded:
-                low = self._regions[p.dtype][0]
-                p.grad = rounded[p.dtype][start - low:stop - low].view_as(p)
+            elif index in self._low_views:
+                p.grad = self._low_views[index]
             elif self.as_views:
-                p.grad = flat[start:stop].view_as(p)
-            elif p.grad is not None and p.grad.dtype == torch.float32:
-                p.grad.copy_(flat[start:stop].view_as(p))
+                p.grad = self._views[index]
+            elif grad is not None and grad.dtype == torch.float32:
+                targets.append(grad)
+                sources.append(self._views[index])
             else:
-                p.grad = flat[start:stop].view_as(p).clone()
+                p.grad = self._views[index].clone()
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "reductions": self.reductions}
