@@ -239,30 +239,60 @@ class LoRANetwork(nn.Module):
         return self.parameters()
 
     def apply_max_norm_regularization(
-        self, max_norm_value: float, device: torch.device | str
+        self, max_norm_value: float, device: torch.device | str, apply: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """sd-scripts §9.6: W = up·down·alpha/rank; norm = max(|W|, max/2); if min(norm, max)/norm != 1, up and down
         are each scaled by its square root. Returns (keys scaled, mean norm after, max norm after) as 0-d tensors on
         ``device``: nothing is read on the host (every pair is multiplied, by exactly 1 where no scaling is needed;
-        sd-scripts reads each ratio to decide and returns numbers)."""
-        scaled, norms = [], []
-        for lora in self.loras:
-            up, down = lora.lora_up.weight, lora.lora_down.weight
-            scale = lora.alpha.to(device, torch.float32) / down.shape[0]
-            updown = lora_product(up.detach().to(device, torch.float32), down.detach().to(device, torch.float32))
-            updown = updown * scale
-            norm = updown.norm().clamp(min=max_norm_value / 2)
-            ratio = norm.clamp(max=max_norm_value) / norm
-            with torch.no_grad():
-                up.mul_(ratio.sqrt().to(up.device, up.dtype))
-                down.mul_(ratio.sqrt().to(down.device, down.dtype))
-            scaled.append(ratio != 1)
-            norms.append(updown.norm() * ratio)
-        if not norms:
+        sd-scripts reads each ratio to decide and returns numbers).
+
+        sd-scripts loops over the modules (~10 kernels each); here the modules are grouped by shapes, dtype and
+        device (``_max_norm_groups``, built once) and each group takes a fixed number of stacked ops, so the count
+        does not grow with the modules. |W| is sqrt(<upᵀup, down·downᵀ>) in fp32 (the same Frobenius norm, from
+        rank x rank matrices instead of an out x in product); the scaled weights are rounded once into their dtype.
+        ``apply`` (a 0-d bool device tensor, or None): where false no module is scaled, without a host read (an
+        update whose step the optimizer skipped on the device, ``library/train/update.py``).
+        """
+        groups, inv_rank = self._max_norm_groups(device)
+        if not groups:
             zero = torch.zeros((), device=device)
             return zero, zero, zero
-        after = torch.stack(norms)
-        return torch.stack(scaled).sum(), after.mean(), after.max()
+        with torch.no_grad():
+            stacks = [tuple(torch.stack(part).to(torch.float32) for part in group) for group in groups]
+            squares = torch.cat([_norm_squares(up, down).to(device) for up, down, _ in stacks])
+            before = squares.clamp(min=0).sqrt() * torch.cat([alpha.to(device) for _, _, alpha in stacks]) * inv_rank
+            norm = before.clamp(min=max_norm_value / 2)
+            ratio = norm.clamp(max=max_norm_value) / norm
+            if apply is not None:  # an update skipped on the device scales nothing
+                ratio = torch.where(apply.to(ratio.device), ratio, 1.0)
+            factors = ratio.sqrt().split([len(group[0]) for group in groups])
+            for (ups, downs, _), (up, down, _), factor in zip(groups, stacks, factors, strict=True):
+                _scale_into(ups, up, factor)
+                _scale_into(downs, down, factor)
+            after = before * ratio
+        return (ratio != 1).sum(), after.mean(), after.max()
+
+    def _max_norm_groups(self, device: torch.device | str) -> tuple[list[_NormGroup], torch.Tensor]:
+        """The modules' (ups, downs, alphas) grouped by (up shape, down shape, dtype, device), and 1/rank of each
+        module in group order on ``device``; cached, and built again when a module, weight, dtype or device changes
+        (a per-update walk over the modules on the host, no device op)."""
+        loras = self.loras
+        key = (str(device), *((id(m.lora_up.weight), id(m.lora_down.weight), id(m.alpha), m.lora_up.weight.dtype,
+                               m.lora_down.weight.dtype, m.lora_up.weight.device, m.alpha.device) for m in loras))
+        cached = getattr(self, "_max_norm_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        by_kind: dict[tuple[Any, ...], _NormGroup] = {}
+        for m in loras:
+            up, down = m.lora_up.weight, m.lora_down.weight
+            kind = (tuple(up.shape), tuple(down.shape), up.dtype, down.dtype, up.device, m.alpha.device)
+            group = by_kind.setdefault(kind, ([], [], []))
+            for part, tensor in zip(group, (up, down, m.alpha), strict=True):
+                part.append(tensor)
+        groups = list(by_kind.values())
+        inv_rank = torch.tensor([1.0 / downs[0].shape[0] for _, downs, _ in groups for _ in downs], device=device)
+        self._max_norm_cache = (key, groups, inv_rank)
+        return groups, inv_rank
 
     def load_weights(self, file: str | os.PathLike[str]) -> Any:
         """Non-strict load (``--network_weights``); returns torch's missing/unexpected keys info."""
@@ -272,6 +302,22 @@ class LoRANetwork(nn.Module):
                      metadata: Mapping[str, str] | None) -> None:
         """Save the LoRA tensors (``cast_for_saving``); see the module docstring for format and hashes."""
         save_weights_file(cast_for_saving(self.state_dict(), dtype), file, metadata)
+
+
+_NormGroup = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]  # ups, downs, alphas of one shape
+
+
+def _norm_squares(up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """|up_i·down_i|² for stacked fp32 ups [N, out, r, ...] and downs [N, r, in, ...] (a k x k conv's down flattens
+    to [r, in·k·k], as ``lora_product`` sums over the rank only): the sum of (upᵀup) ⊙ (down·downᵀ)."""
+    up, down = up.flatten(2), down.flatten(2)
+    return (torch.bmm(up.mT, up) * torch.bmm(down, down.mT)).sum((1, 2))
+
+
+def _scale_into(weights: list[torch.Tensor], stacked: torch.Tensor, factor: torch.Tensor) -> None:
+    """weights[i] = stacked[i] · factor[i], computed in fp32 and rounded once into the weights' dtype."""
+    factor = factor.to(stacked.device).view(-1, *([1] * (stacked.dim() - 1)))
+    torch._foreach_copy_(weights, (stacked * factor).to(weights[0].dtype).unbind(0))
 
 
 def _add_groups(groups: list[dict[str, Any]], names: list[str], label: str, loras: Iterable[LoRAModule],

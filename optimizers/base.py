@@ -98,9 +98,12 @@ class SROptimizer(Optimizer):
     step) and ``update`` (the arithmetic, on a ``Batch``). ``compiled``: None (default) runs the update through
     ``torch.compile`` for spans of at least ``AUTO_NUMEL`` elements (falling back to eager with a warning if
     compiling fails); True always compiles and raises on failure; False never compiles.
+    ``decides_on_device``: ``step(apply=...)`` leaves every weight and state value as it was where ``apply`` is
+    False and reads nothing on the host, so a trainer may step before it knows whether the gradients were finite.
     """
 
     state_names: tuple[str, ...] = ("ema", "ema_squared")
+    decides_on_device = True
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], compiled: bool | None = None) -> None:
         self._index: dict[Tensor, int] = {}

@@ -243,6 +243,8 @@ def _magnitude_kick_(flat: Tensor, bands: int, generator: torch.Generator) -> No
 class SPARKLES(SROptimizer):
     """SPARKLES with fp32 maths, SR write-back for bf16 tensors and at most one host sync per ``step()``."""
 
+    decides_on_device = False  # reads its kick flags on the host, and a kicked tensor's second pass ignores apply
+
     state_names = ("ema", "ema_squared", "prev_grad")
 
     def __init__(

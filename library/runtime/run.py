@@ -54,12 +54,13 @@ from library.train import network_setup, optimizer_setup
 from library.train.accumulation import build_accumulation
 from library.train.batch_loss import BatchLoss
 from library.train.loop import LoopResult, train_loop
+from library.train.loss_scale import DynamicLossScale
 from library.train.noise import apply_zero_terminal_snr
 from library.train.position import Position, SampleHooks, SaveHooks
 from library.train.readout import Readout
 from library.train.steps import StepPlan, describe, plan_steps
 from library.train.tracking import Tracker
-from library.train.update import DynamicLossScale, Updater
+from library.train.update import Updater
 from library.train.validation import Validation, build_validation
 
 log = logging.getLogger(__name__)

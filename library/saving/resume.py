@@ -29,9 +29,9 @@ from library.saving.state_schema import shape_problems, steps_beyond_position
 from library.saving.trajectory import differences, network_differences
 from library.train.accumulation import Accumulation
 from library.train.finite import floating_tensors, refuse_non_finite
+from library.train.loss_scale import DynamicLossScale
 from library.train.position import Position
 from library.train.steps import StepPlan
-from library.train.update import DynamicLossScale
 
 log = logging.getLogger(__name__)
 

@@ -29,16 +29,37 @@ class Readout:
 
     def read(self, values: Sequence[torch.Tensor]) -> list[float]:
         """The numbers of ``values`` (0-d or 1-d tensors, concatenated in order); runs the deferred callbacks."""
+        return self.start(values)()
+
+    def start(self, values: Sequence[torch.Tensor]) -> Callable[[], list[float]]:
+        """``read``, begun now and finished by calling the result: on CUDA the values are copied into pinned host
+        memory without blocking, so that finishing an update later waits only for the work queued before this
+        call, not for what was queued since (the next update's forward and backward)."""
         deferred, self._deferred = self._deferred, []
         parts = [v.detach().reshape(-1).double() for v in values] + [d.double() for d, _ in deferred]
         if not parts:
-            return []
-        numbers = torch.cat([p.to(parts[0].device) for p in parts]).tolist()
-        start = sum(p.numel() for p in parts[:len(values)])
-        for value, then in deferred:
-            then(numbers[start:start + value.numel()])
-            start += value.numel()
-        return numbers[:sum(p.numel() for p in parts[:len(values)])]
+            return list
+        packed = torch.cat([p.to(parts[0].device) for p in parts])
+        count = sum(p.numel() for p in parts[:len(values)])
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host, copied = packed, None
+
+        def finish() -> list[float]:
+            if copied is not None:
+                copied.synchronize()
+            numbers = host.tolist()
+            start = count
+            for value, then in deferred:
+                then(numbers[start:start + value.numel()])
+                start += value.numel()
+            return numbers[:count]
+
+        return finish
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

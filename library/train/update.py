@@ -16,7 +16,20 @@ copy per update, yet without the optimizer state, which overflows with the weigh
 go on from it; the files saved before already hold good weights.
 
 No host sync per micro-batch: the loss, its finite flag and the gradient norm stay on the device, and each update
-reads them once (``library/train/readout.py``), right before the host decides whether the optimizer steps. The weights
+reads them once (``library/train/readout.py``), right before the host decides whether the optimizer steps.
+
+Deferred decision (issue 22 item 5), with an optimizer that can skip on the device (``decides_on_device``:
+StochasticAdamW, Compass; not under ``--fused_backward_pass`` nor fp16 loss scaling, whose scale the next backward
+needs): the update steps at once with ``apply`` = loss and gradient finite, a device flag under which a skipped
+update writes no weight, no state value and no ``--scale_weight_norms`` scaling; its flags and numbers are copied to
+the host without waiting (``Readout.start``) and read at the next update, before that one steps, when the device has
+long finished them: the host never waits for the device between updates. The read then does what the immediate read
+does before stepping: tick the schedule of an applied update (so the next step's learning rate is the same), put
+back the host-side step counters of a skipped one (so the next step's bias corrections are), count skips for
+``--max_nan_steps`` and check the weights. Results are identical to the immediate path's; what is later is only
+when the host knows: the loop logs each update when it is read (``library/train/reports.py``), reads before
+validation, samples and saves (so a saved state never holds a speculative step count), and a ``--max_nan_steps``
+stop comes one update later, with the same weights. The weights
 check and the ``--scale_weight_norms`` statistics of an update are read with the next update's values (or before a
 save, and at the end), so they cost no read of their own. With several processes the reduction adds, once per
 update, a status exchange of host integers and the all-reduce of one device buffer that also sums the processes'
@@ -52,41 +65,47 @@ import torch
 from library.base.errors import TrainingDiverged
 from library.train.accumulation import Accumulation
 from library.train.finite import all_finite
+from library.train.loss_scale import DynamicLossScale
 from library.train.readout import Readout
 
 FUSED_SPAN = 32  # tensors per fused-backward span: ~60 ops per span, so ~2 ops per tensor
 
 
-@dataclass
-class DynamicLossScale:
-    """Loss scaling for fp16 training (``--mixed_precision fp16``), applied by hand so that it also works
-    with fp16 LoRA weights under ``--full_fp16`` (torch's GradScaler refuses fp16 gradients)."""
-
-    scale: float = 2.0**16
-    growth_interval: int = 2000
-    _good_steps: int = 0
-
-    def unscale_(self, params: list[torch.nn.Parameter]) -> None:
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_div_(grads, self.scale)
-
-    def update(self, finite: bool) -> None:
-        if not finite:
-            self.scale = max(1.0, self.scale / 2)
-            self._good_steps = 0
-            return
-        self._good_steps += 1
-        if self._good_steps % self.growth_interval == 0:
-            self.scale *= 2
-
-
-@dataclass
 class UpdateResult:
-    applied: bool
-    loss: float  # the window's loss: the sum of its micro-batch losses / --gradient_accumulation_steps
-    grad_norm: float
-    resolved: bool = True  # the numbers are read (``Updater.resolve`` reads a deferred update's)
+    """An update's numbers: whether it applied, the window's loss (the sum of its micro-batch losses /
+    --gradient_accumulation_steps) and the gradient norm. A deferred update's (``pending``: what reads them) are read
+    on first access, or earlier by ``Updater.resolve``; ``resolved`` says whether they are."""
+
+    def __init__(self, applied: bool = False, loss: float = math.nan, grad_norm: float = math.nan, *,
+                 pending: Callable[[], None] | None = None) -> None:
+        self._applied, self._loss, self._grad_norm, self._pending = applied, loss, grad_norm, pending
+
+    @property
+    def resolved(self) -> bool:
+        return self._pending is None
+
+    def fill(self, applied: bool, loss: float, grad_norm: float) -> None:
+        self._applied, self._loss, self._grad_norm, self._pending = applied, loss, grad_norm, None
+
+    def _numbers(self) -> tuple[bool, float, float]:
+        if self._pending is not None:
+            self._pending()
+        return self._applied, self._loss, self._grad_norm
+
+    applied = property(lambda self: self._numbers()[0])
+    loss = property(lambda self: self._numbers()[1])
+    grad_norm = property(lambda self: self._numbers()[2])
+
+
+@dataclass
+class _Pending:
+    """A deferred update: its result, the started read of its flags and numbers, and what to put back if it did not
+    apply (the tensors the step touched and their host-side optimizer state before it)."""
+
+    result: UpdateResult
+    numbers: Callable[[], list[float]]
+    stepped: list[torch.nn.Parameter]
+    host_states: list[dict[str, Any] | None]
 
 
 @dataclass
@@ -129,8 +148,12 @@ class Updater:
     _accumulators: list[list[Any]] = field(default_factory=list)  # each tensor's AccumulateGrad node, held
     _pending: dict[int, list[torch.nn.Parameter]] = field(default_factory=dict)  # span -> gradients arrived
     _expected: list[int] | None = None  # per span: the gradients this backward computes
+    deferred: bool = False  # decide step/skip on the device, read one update later (set in __post_init__)
+    _held: _Pending | None = None
 
     def __post_init__(self) -> None:
+        self.deferred = (not self.fused and self.loss_scale is None
+                         and getattr(self.optimizer, "decides_on_device", False))
         if self.fused:
             self._spans = self.optimizer.spans(FUSED_SPAN)
             with torch.enable_grad():
@@ -204,6 +227,8 @@ class Updater:
         limit = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
         grads = [p for p in self.params if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(grads, limit) if grads else torch.zeros(())
+        if self.deferred:
+            return self._step_on_device(torch.isfinite(norm), norm)
         loss_finite, finite, loss, norm_value, _ = self._read(torch.isfinite(norm), norm)
         if self.loss_scale is not None:
             self.loss_scale.update(finite)
@@ -238,13 +263,50 @@ class Updater:
         self.updates += 1
         return bool(numbers[0]), bool(numbers[1]), numbers[2] / self.accumulation_steps, numbers[3], numbers[5:]
 
+    def _step_on_device(self, grad_finite: torch.Tensor, norm: torch.Tensor) -> UpdateResult:
+        """The deferred decision: read the previous update (its work is long done), then step with ``apply`` on the
+        device, so the host never waits here for this update's backward; this update is read at the next one."""
+        self.resolve()
+        device = norm.device
+        loss_finite = self._loss_finite if self._loss_finite is not None else torch.ones((), dtype=torch.bool,
+                                                                                          device=device)
+        loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), device=device)
+        self._loss_sum = self._loss_finite = None
+        apply = grad_finite & loss_finite
+        stepped = [p for p in self.params if p.grad is not None]
+        host_states = [self._host_state(p) for p in stepped]
+        self.optimizer.step(apply=apply)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._max_norm(apply)
+        numbers = self.readout.start([loss_finite, apply, loss_sum, norm, all_finite(self.params)])
+        result = UpdateResult(pending=self.resolve)
+        self._held = _Pending(result, numbers, stepped, host_states)
+        return result
+
     def resolve(self) -> None:
-        """Read the numbers of an update decided on the device, if one is pending (nothing to do today: every
-        update reads its numbers before it steps)."""
+        """Read the update decided on the device, if one is pending: fill its result, put back the host-side
+        optimizer state when it did not apply (its device values were kept by ``apply``), tick the schedule when it
+        did. Raises ``TrainingDiverged`` as the immediate read does (its weights non-finite; ``--max_nan_steps``)."""
+        if self._held is None:
+            return
+        held, self._held = self._held, None
+        loss_finite, applied, loss_sum, norm, weights = held.numbers()
+        self.updates += 1
+        held.result.fill(bool(applied), loss_sum / self.accumulation_steps, norm)
+        if not weights:
+            raise self._weights_diverged(self.updates)
+        if not applied:
+            self._put_back(held.stepped, held.host_states)
+            self._count_non_finite(bool(loss_finite))
+            return
+        self._nan_streak = 0
+        for _ in range(self.scheduler_ticks):
+            self.scheduler.step()
 
     def check_weights(self) -> None:
         """Before a save and at the end: read what the last update left (one host read); raise ``TrainingDiverged``
         when its weights are non-finite."""
+        self.resolve()
         if self._weights_finite is not None:
             (pending, update), self._weights_finite = self._weights_finite, None
             if not self.readout.read([pending])[0]:
@@ -288,24 +350,29 @@ class Updater:
         the flags of every stepped tensor, in the order of ``steps``)."""
         flags = iter(applied)
         for step in steps:
-            for param, host_state in zip(step.params, step.host_states, strict=True):
-                if next(flags):
-                    continue
-                if host_state is None:
-                    self.optimizer.state.pop(param, None)
-                else:
-                    self.optimizer.state[param].update(host_state)
+            undone = [(p, state) for p, state in zip(step.params, step.host_states, strict=True) if not next(flags)]
+            self._put_back([p for p, _ in undone], [state for _, state in undone])
 
-    def _max_norm(self) -> None:
-        """``--scale_weight_norms`` after the step; its statistics (keys scaled, mean and max norm) are read with the
-        next read and land in ``max_norm_log`` as (update, statistics)."""
+    def _put_back(self, params: list[torch.nn.Parameter], host_states: list[dict[str, Any] | None]) -> None:
+        """The host-side optimizer state of ``params`` as it was before a step that the device masked."""
+        for param, host_state in zip(params, host_states, strict=True):
+            if host_state is None:
+                self.optimizer.state.pop(param, None)
+            else:
+                self.optimizer.state[param].update(host_state)
+
+    def _max_norm(self, apply: torch.Tensor | None = None) -> None:
+        """``--scale_weight_norms`` after the step (only where ``apply``, a device flag, is true); its statistics
+        (keys scaled, mean and max norm) are read with the next read and land in ``max_norm_log`` as (update,
+        statistics)."""
         if self.max_norm is None:
             return
         network, value = self.max_norm
         device = self.params[0].device
-        stats = network.apply_max_norm_regularization(value, device)
+        stats = network.apply_max_norm_regularization(value, device, apply=apply)
         values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device) for v in stats])
-        self.readout.defer(values, lambda numbers, update=self.updates: self.max_norm_log.append(
+        update = self.updates + 1 if apply is not None else self.updates  # a deferred update is counted when read
+        self.readout.defer(values, lambda numbers, update=update: self.max_norm_log.append(
             (update, (int(numbers[0]), numbers[1], numbers[2]))))
 
     def _count_non_finite(self, loss_finite: bool) -> None:

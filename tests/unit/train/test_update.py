@@ -8,7 +8,8 @@ from torch import nn
 
 from library.base.errors import TrainingDiverged
 from library.train.accumulation import build_accumulation
-from library.train.update import FUSED_SPAN, DynamicLossScale, Updater
+from library.train.loss_scale import DynamicLossScale
+from library.train.update import FUSED_SPAN, Updater
 from optimizers import StochasticAdamW
 
 
