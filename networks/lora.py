@@ -43,6 +43,7 @@ from networks.lora_modules import (
     LoRAModule,
     iter_targets,
     lora_product,
+    set_multipliers,
     text_model_prefix,
 )
 
@@ -145,9 +146,10 @@ class LoRANetwork(nn.Module):
             delattr(self, lora.lora_name)
 
     def set_multiplier(self, multiplier: float) -> None:
+        """Every module's multiplier (a dataset's ``network_multiplier``, per batch): floats for eager code and the
+        metadata, device buffers for a compiled U-Net, refilled together only when the value changes."""
         self.multiplier = multiplier
-        for lora in self.loras:
-            lora.multiplier = multiplier
+        set_multipliers(self.loras, multiplier)
 
     def is_mergeable(self) -> bool:
         return True

@@ -5,7 +5,13 @@ None or 0 means alpha = rank). ``down`` is Kaiming-uniform (a = sqrt(5)) and ``u
 nothing. For a Conv2d the down conv copies the original kernel/stride/padding and the up conv is 1x1.
 
 Dropouts, in training mode only, in sd-scripts' order (module -> down -> neuron -> rank -> up):
-* ``module_dropout``: with probability p the LoRA branch is skipped for the whole call (one draw), no rescaling;
+* ``module_dropout``: with probability p the LoRA branch is dropped for the whole call (one draw), no rescaling.
+  sd-scripts draws ``torch.rand(1) < p`` on the host and returns early; here the draw is a 0-dim ``rand`` on the
+  input's device and ``down(x)`` is multiplied by the 0/1 keep flag: the same distribution, an output equal to the
+  original module's when dropped, but no host read (a sync per module per call on a GPU) and no graph break under
+  ``--torch_compile``. Two differences follow: the branch is always computed (its neuron and rank draws are taken
+  also when dropped, so the random streams after a drop differ from sd-scripts'), and a module dropped in every
+  call of an update gets a zero gradient instead of none (its optimizer state still steps);
 * ``dropout`` (neuron, ``--network_dropout``): inverted dropout on ``down(x)``, survivors x 1/(1-p);
 * ``rank_dropout``: a (batch, rank) keep-mask (``rand > p``) broadcast over tokens or H, W; the scale becomes
   ``scale / (1 - p)``, a fixed factor rather than the realised keep ratio.
@@ -14,6 +20,13 @@ The draws come from torch's default generators on purpose: ``--gradient_checkpoi
 backward and ``torch.utils.checkpoint`` restores only those generators for it, so a private generator would draw
 other masks in the recomputation and give wrong gradients. The trainer keeps their sequence exact across a resume
 (their states are saved; the data loader does not draw from them).
+
+The multiplier (``set_multiplier``, a dataset's ``network_multiplier``) is a Python float, read by eager code and
+the saved metadata, with a copy in the non-persistent buffer ``multiplier_tensor`` that ``set_multipliers`` refills
+(two ``_foreach`` launches for all modules) when the value changes. Eager forwards use the float (sd-scripts'
+arithmetic, no extra op); a ``torch.compile``d forward reads the buffer, so that a new value is data and not a
+guard: a float attribute would recompile the U-Net when the next dataset's multiplier differs. The buffer is cast
+with the network (``--full_bf16``: a bf16 multiplier under ``--torch_compile``).
 """
 
 from __future__ import annotations
@@ -65,7 +78,9 @@ class LoRAModule(nn.Module):
         self.register_buffer("alpha", torch.tensor(alpha, dtype=torch.float32))
         nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_up.weight)
-        self.multiplier = multiplier
+        self._multiplier = float(multiplier)
+        multiplier_tensor = torch.tensor(self._multiplier, dtype=torch.float32)
+        self.register_buffer("multiplier_tensor", multiplier_tensor, persistent=False)
         self.dropout = dropout
         self.rank_dropout = rank_dropout
         self.module_dropout = module_dropout
@@ -76,6 +91,14 @@ class LoRAModule(nn.Module):
     def org_module(self) -> nn.Module:
         return self._org[0]
 
+    @property
+    def multiplier(self) -> float:
+        return self._multiplier
+
+    @multiplier.setter
+    def multiplier(self, value: float) -> None:
+        set_multipliers([self], value)
+
     def apply_to(self) -> None:
         """Route the original module's forward through this module (sd-scripts ``LoRAModule.apply_to``)."""
         self.org_forward = self.org_module.forward
@@ -83,9 +106,12 @@ class LoRAModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         org_out = self.org_forward(x)
-        if self.module_dropout is not None and self.training and torch.rand(1) < self.module_dropout:
-            return org_out
+        keep = None
+        if self.module_dropout is not None and self.training:
+            keep = torch.rand((), device=x.device) >= self.module_dropout  # drawn first, as sd-scripts does
         lx = self.lora_down(x.to(self.lora_down.weight.dtype))
+        if keep is not None:
+            lx = lx * keep.to(lx.dtype)
         if self.dropout is not None and self.training:
             lx = nn.functional.dropout(lx, p=self.dropout)
         scale = self.scale
@@ -98,7 +124,20 @@ class LoRAModule(nn.Module):
             lx = lx * mask.to(lx.dtype)
             scale = self.scale / (1.0 - self.rank_dropout)
         lx = self.lora_up(lx)
-        return org_out + (lx * (self.multiplier * scale)).to(org_out.dtype)
+        multiplier = self.multiplier_tensor if torch.compiler.is_compiling() else self._multiplier
+        return org_out + (lx * (multiplier * scale)).to(org_out.dtype)
+
+
+def set_multipliers(loras: list[LoRAModule], value: float) -> None:
+    """Give every module of ``loras`` the multiplier ``value``: the floats, and the buffers of those whose value
+    changes with two multi-tensor ops (zero, add) rather than a fill per module; nothing is read from a device."""
+    value = float(value)
+    changed = [lora.multiplier_tensor for lora in loras if lora._multiplier != value]
+    for lora in loras:
+        lora._multiplier = value
+    if changed:
+        torch._foreach_zero_(changed)
+        torch._foreach_add_(changed, value)
 
 
 def lora_product(up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

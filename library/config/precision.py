@@ -41,7 +41,9 @@ class PrecisionConfig:
     mem_eff_attn: bool = flag(False, "memory-efficient attention; accepted for compatibility: PyTorch's "
                               "scaled-dot-product attention (always on here unless --xformers) picks a "
                               "memory-efficient kernel itself")
-    torch_compile: bool = flag(False, "compile the UNet with torch.compile")
+    torch_compile: bool = flag(False, "compile the UNet with torch.compile for the training steps: one graph for "
+                               "every bucket (the latents' height and width are marked dynamic); validation and "
+                               "samples run it uncompiled; a warning says if dynamo's recompile limit is hit")
     dynamo_backend: str = flag("inductor", "torch.compile backend (no: do not compile)", choices=DYNAMO_BACKENDS)
     max_nan_steps: int = flag(3, "non-finite losses/gradients in a row before the run stops (last good LoRA saved)")
 

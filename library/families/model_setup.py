@@ -231,8 +231,58 @@ def output_shapes(encode: Callable[[list[str]], dict[str, torch.Tensor]],
 
 
 def compile_unet(model: SDModel, precision: PrecisionConfig) -> None:
-    """``--torch_compile``: compile the UNet; a failure to compile raises at the first step, never runs eager."""
+    """``--torch_compile``: compile the UNet for the training forward; a failure to compile raises at the first step.
+
+    One graph serves every bucket: the latents' height and width are marked dynamic at each call
+    (``mark_bucket_dims``), where dynamo would compile the first shape static and recompile at the second. The batch
+    size stays static (a smaller last batch of a bucket compiles once more, then dynamo makes it dynamic too).
+    Validation and samples run the uncompiled UNet (``_orig_mod``): eval mode and ``no_grad`` would each recompile.
+    Past dynamo's recompile limit a function silently runs eager; ``RecompileLimitWarning`` says so once.
+    """
     if precision.torch_compile and precision.dynamo_backend == "no":
         log.info("--torch_compile with --dynamo_backend no: the UNet is not compiled (as in sd-scripts)")
     elif precision.torch_compile:
-        model.unet = torch.compile(model.unet, backend=precision.dynamo_backend)
+        compiled = torch.compile(model.unet, backend=precision.dynamo_backend)
+        compiled.register_forward_pre_hook(mark_bucket_dims, with_kwargs=True)
+        watch_recompile_limit()
+        model.unet = compiled
+
+
+def mark_bucket_dims(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of the compiled UNet (runs outside dynamo): mark the height and width of the noisy latents,
+    ``[B, C, H, W]``, dynamic, so that a new bucket shape reuses the graph. ``maybe_mark_dynamic``: should the UNet
+    ever need a fixed size there, dynamo specializes it (and recompiles) instead of raising."""
+    sample = args[0] if args else kwargs["sample"]
+    torch._dynamo.maybe_mark_dynamic(sample, 2)
+    torch._dynamo.maybe_mark_dynamic(sample, 3)
+
+
+class RecompileLimitWarning(logging.Handler):
+    """Sees dynamo's log records; at the first "hit config.recompile_limit" (``cache_size_limit`` in older torch)
+    it logs one warning naming ``--torch_compile``: from there the function runs uncompiled, which dynamo itself
+    reports only in a multi-line record that reads as noise."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.warned = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if self.warned or "hit config." not in message:
+            return
+        self.warned = True
+        limit = message.splitlines()[0].removeprefix("torch._dynamo hit ")
+        log.warning("--torch_compile: dynamo hit torch._dynamo.%s, so the UNet (or a part of it) runs uncompiled "
+                    "from now on; run with TORCH_LOGS=recompiles to see what changes between steps, raise that "
+                    "limit, or train without --torch_compile", limit)
+
+
+def watch_recompile_limit() -> RecompileLimitWarning:
+    """Attach the one ``RecompileLimitWarning`` of this process to dynamo's logger (once) and return it."""
+    dynamo_log = logging.getLogger("torch._dynamo")
+    for handler in dynamo_log.handlers:
+        if isinstance(handler, RecompileLimitWarning):
+            return handler
+    handler = RecompileLimitWarning()
+    dynamo_log.addHandler(handler)
+    return handler

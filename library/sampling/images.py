@@ -5,8 +5,10 @@ pipeline (``library/families/registry.py``: for SD 1.x/2.x ``library/sampling/co
 225 tokens, ``--clip_skip``, and ``StableDiffusionPipeline``; for SDXL sd-scripts' SDXL sample conditioning and
 ``StableDiffusionXLPipeline``) built from the loaded UNet, VAE, text encoders and tokenizers with the prompt's
 scheduler (``library/sampling/schedulers.py``), the text encoders and UNet under the precision policy's autocast, and
-the VAE decoding outside it in the VAE's dtype. The VAE is moved to the training device for the images and back
-afterwards (``--cache_latents`` keeps it on the CPU). Files: ``<output_dir>/sample/<output_name>_<n>_<NN>_
+the VAE decoding outside it in the VAE's dtype. The VAE and the text encoders are moved to the training device
+for the images and back afterwards (``--cache_latents`` keeps the VAE on the CPU, SDXL's
+``--cache_text_encoder_outputs`` both text encoders: encoding a prompt there took seconds), so memory while training
+is what it was. Files: ``<output_dir>/sample/<output_name>_<n>_<NN>_
 <YYYYmmddHHMMSS>[_<seed>].png`` with ``n`` = ``e`` + the 6-digit epoch after an epoch (``e000000`` for the images
 at first) or the 6-digit step after an update, ``NN`` the prompt's 2-digit index; each image is also logged to the
 trackers as ``sample_<index>``. Each PNG is written through a temporary file and a rename
@@ -107,19 +109,22 @@ class SampleImages:
 
     @contextlib.contextmanager
     def _inference(self) -> Iterator[None]:
-        """Eval mode, no gradients, the VAE on the device; afterwards every module's mode and the VAE's place back."""
-        roots = (self.network, self.model.unet, *self.family.text_encoders(self.model))
+        """Eval mode, no gradients, the VAE and text encoders on the device; afterwards every module's mode and the
+        VAE's and text encoders' places back."""
+        text_encoders = self.family.text_encoders(self.model)
+        roots = (self.network, self.model.unet, *text_encoders)
         modes = [(module, module.training) for root in roots for module in root.modules()]
-        vae = self.model.vae
-        vae_device = next(vae.parameters()).device
+        moved = [(part, next(part.parameters()).device) for part in (self.model.vae, *text_encoders)]
         try:
             for root in roots:
                 root.eval()
-            vae.to(self.device)
+            for part, _ in moved:
+                part.to(self.device)
             with torch.no_grad():
                 yield
         finally:
-            vae.to(vae_device)
+            for part, place in moved:
+                part.to(place)
             for module, training in modes:
                 module.training = training
             if self.device.type == "cuda":

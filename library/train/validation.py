@@ -18,6 +18,10 @@ them (``held_out_order``), with epoch 1's augmentations keyed by the validation 
 sd-scripts' ``loss/validation/step_average`` keeps averaging over every validation of the first epoch (its
 ``LossRecorder`` appends during epoch 0 and overwrites by index afterwards); here each logged value is the mean of
 that validation alone.
+
+With ``--torch_compile`` the validation runs the uncompiled UNet (``uncompiled``): the compiled one, called in eval
+mode and under ``no_grad``, would compile a second graph at the first validation (minutes for SDXL), and the
+validation batches' shapes would count against dynamo's recompile limit.
 """
 
 from __future__ import annotations
@@ -108,10 +112,21 @@ def skip_loader_seed(cpu_generator: torch.Generator | None) -> None:
         torch.empty((), dtype=torch.int64).random_(generator=cpu_generator)
 
 
+def uncompiled(batch_loss: BatchLoss) -> BatchLoss:
+    """``batch_loss`` with the model's UNet as it was before ``torch.compile`` (the same module and weights); the
+    same object when the UNet is not compiled."""
+    unet = batch_loss.model.unet
+    original = getattr(unet, "_orig_mod", None)
+    if original is None:
+        return batch_loss
+    return replace(batch_loss, model=replace(batch_loss.model, unet=original))
+
+
 def validation_loss(batch_loss: BatchLoss, batches: Iterable[dict], timesteps: list[int], seed: int) -> torch.Tensor:
     """Mean loss over every (batch, timestep) pair, the noise drawn from a generator seeded with ``seed`` in
     sd-scripts' order (per batch, the timesteps in turn; each its own latent sample and noise).
-    The text encoder runs without gradients even when its LoRA is trained."""
+    The text encoder runs without gradients even when its LoRA is trained; the UNet runs uncompiled."""
+    batch_loss = uncompiled(batch_loss)
     generator = torch.Generator(batch_loss.generator.device).manual_seed(seed)
     # next to a CUDA generator, pyramid-noise sizes come from a CPU one: a fresh one here too, not the training one
     host = torch.Generator().manual_seed(seed) if batch_loss.host_generator is not None else None
