@@ -15,6 +15,7 @@ process 0 (the processes run the same code).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -156,7 +157,9 @@ def child_command(family: str, argv: list[str], processes: int) -> list[str]:
 
 def child_reports(output: str, processes: int) -> list[dict[str, Any]]:
     """The reports that the processes of a counted run printed, by rank; a ValueError when one is missing."""
-    reports = sorted((json.loads(line[len(MARKER):]) for line in output.splitlines() if line.startswith(MARKER)),
+    # the processes share one pipe, so two reports may share a line: read one JSON object after each marker
+    decoder = json.JSONDecoder()
+    reports = sorted((decoder.raw_decode(part)[0] for part in output.split(MARKER)[1:]),
                      key=lambda report: report["rank"])
     if [report["rank"] for report in reports] != list(range(processes)):
         raise ValueError(f"expected the reports of {processes} process(es), got {len(reports)}")
@@ -199,6 +202,7 @@ def processes_window_ops(family: str, out: Path, updates: int, processes: int, *
     return [(*steady_windows(report), report["tensors"]) for report in child_reports(output, processes)]
 
 
+@functools.cache
 def per_update(family: str, flags: tuple[str, ...], folder: Path, processes: int = 1) -> dict[str, Any]:
     """Ops and syncs of one update: (``LONG``-update run - ``SHORT``-update run) / (``LONG`` - ``SHORT``)."""
     long, short = (_launch(family, updates, flags, processes, folder) for updates in (LONG, SHORT))
@@ -236,14 +240,15 @@ def main() -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--family", default="sd", help=argparse.SUPPRESS)
     parser.add_argument("--families", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "launches.md")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "launches-2026-12-01.md")
+    parser.add_argument("--note", default="", help="a paragraph added under the table (e.g. the numbers before)")
     args, rest = parser.parse_known_args()
     if args.child:
         return _child(args, rest[1:] if rest[:1] == ["--"] else rest)
     with tempfile.TemporaryDirectory() as folder:
         rows = table(args.families, Path(folder))
     report = (f"# Dispatched ops per update ({LONG}- minus {SHORT}-update runs, tiny models)\n\n"
-              f"Command: `{reproduce_command('launches.py')}`\n\n{machine()}\n\n{rows}")
+              f"Command: `{reproduce_command('launches.py')}`\n\n{machine()}\n\n{rows}\n\n{args.note}".rstrip())
     publish(report, args.out)
     return 0
 
