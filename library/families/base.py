@@ -43,6 +43,10 @@ class ModelFamily(Protocol):
     def load(self, cfg: ModelConfig, sdxl: SDXLConfig, dtype: torch.dtype, file_device: str = "cpu") -> Any:
         """The model bundle, loaded offline."""
 
+    def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
+        """What the loss trains towards (``library/train/objective.py``'s ``Objective``), on ``device``; ``cfg``: the
+        run's ``TrainConfig`` (None: the family's defaults)."""
+
     def text_encoders(self, model: Any) -> list[torch.nn.Module]:
         """The text encoders, in the order of the LoRA names (``lora_te``, or ``lora_te1`` and ``lora_te2``)."""
 

@@ -1,4 +1,5 @@
-"""The loss of one batch: latents, text conditioning, noise, UNet prediction, weighted loss.
+"""The loss of one batch: latents, text conditioning, then the family's objective (``library/train/objective.py``:
+noise, timesteps, the model's prediction through ``predict``, the weighted loss).
 
 What differs between SD 1.x/2.x and SDXL (text encoders, the UNet's extra inputs) is the model family's
 (``library/families/registry.py``); a batch with ``text_outputs`` (SDXL's ``--cache_text_encoder_outputs``) skips the
@@ -32,20 +33,10 @@ from library.families.precision import PrecisionPolicy
 from library.families.sd.family import SDFamily
 from library.families.sd.parts import SDModel
 from library.families.sd.text_encoding import encode_text
-from library.train.loss import training_loss
-from library.train.noise import loss_weight_snr, noisy_latents, sample_noise, sample_timesteps, training_target
+from library.train.objective import Objective
 from library.train.readout import Readout, to_device
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DeviceSchedule:
-    """The noise schedule's tables on the training device, fp32: ᾱ (after any zero-terminal-SNR rescale) and the SNR
-    table of the loss weights (``noise.loss_weight_snr``)."""
-
-    alphas_cumprod: torch.Tensor
-    all_snr: torch.Tensor
 
 
 @dataclass
@@ -66,13 +57,11 @@ class BatchLoss:
     family: ModelFamily = SDFamily()
     readout: Readout = field(default_factory=Readout)
     host_generator: torch.Generator | None = None
-    schedule: DeviceSchedule | None = None  # made once from the model's scheduler (kept by dataclasses.replace)
+    objective: Objective | None = None  # the family's (``ModelFamily.objective``), made once when not given
 
     def __post_init__(self) -> None:
-        if self.schedule is None:
-            scheduler = self.model.noise_scheduler
-            self.schedule = DeviceSchedule(scheduler.alphas_cumprod.to(self.device, torch.float32),
-                                           loss_weight_snr(scheduler).to(self.device, torch.float32))
+        if self.objective is None:
+            self.objective = self.family.objective(self.model, None, self.device)
 
     def latents(self, batch: dict) -> torch.Tensor:
         """Scaled latents of the batch, from the cache or encoded now with the frozen VAE."""
@@ -91,6 +80,9 @@ class BatchLoss:
 
         self.readout.defer(torch.isfinite(latents).all(), report)
         latents = torch.nan_to_num(latents, nan=0.0, posinf=0.0, neginf=0.0)
+        shift = getattr(vae.config, "shift_factor", None)  # FLUX.1's AE shifts its latents; SD's VAEs do not
+        if shift:
+            latents = latents - shift
         return latents * vae.config.scaling_factor
 
     def conditioning(self, captions: list[str]):
@@ -124,15 +116,13 @@ class BatchLoss:
             self.network.set_multiplier(float(batch["network_multipliers"][0]))
         latents = self.latents(batch)
         hidden = self.text_states(batch)
-        schedule = self.schedule
-        noise = sample_noise(latents, self.noise, self.generator, self.host_generator)
-        timesteps = sample_timesteps(latents.shape[0], self.noise, self.generator, self.device)
-        noisy = noisy_latents(schedule, latents, noise, timesteps, self.noise, self.generator)
-        with self.policy.autocast(self.device):
-            pred = self.family.predict(self.model, noisy.to(self.policy.frozen_dtype), timesteps, hidden, batch,
-                                       self.policy.frozen_dtype)
-        target = training_target(schedule, latents, noise, timesteps, self.model.v_parameterization)
+        dtype = self.policy.frozen_dtype
+
+        def predict(noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+            with self.policy.autocast(self.device):
+                return self.family.predict(self.model, noisy.to(dtype), timesteps, hidden, batch, dtype)
+
         weights = to_device(batch["loss_weights"], self.device)
         mask = to_device(batch["loss_masks"], self.device) if "loss_masks" in batch else None
-        return training_loss(pred.float(), target.float(), timesteps, weights, self.loss, schedule.alphas_cumprod,
-                             schedule.all_snr, self.model.v_parameterization, mask)
+        return self.objective.loss(latents, predict, weights, mask, noise=self.noise, loss=self.loss,
+                                   generator=self.generator, host_generator=self.host_generator)

@@ -43,6 +43,12 @@ class SDFamily:
         return load_sd_model(cfg.pretrained_model_name_or_path, v2=cfg.v2, v_parameterization=cfg.v_parameterization,
                              vae=cfg.vae, file_device=file_device)
 
+    def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
+        """sd-scripts' DDPM objective on the model's noise scheduler (``library/train/objective.py``)."""
+        from library.train.objective import DiffusionObjective
+
+        return DiffusionObjective.of(model.noise_scheduler, model.v_parameterization, device)
+
     def text_encoders(self, model: Any) -> list[torch.nn.Module]:
         return [model.text_encoder]
 

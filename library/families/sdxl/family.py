@@ -45,6 +45,12 @@ class SDXLFamily:
                                disable_mmap=sdxl.disable_mmap_load_safetensors, random_dtype=dtype,
                                v_parameterization=cfg.v_parameterization)
 
+    def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
+        """sd-scripts' DDPM objective on the model's noise scheduler (``library/train/objective.py``)."""
+        from library.train.objective import DiffusionObjective
+
+        return DiffusionObjective.of(model.noise_scheduler, model.v_parameterization, device)
+
     def text_encoders(self, model: Any) -> list[torch.nn.Module]:
         return [model.text_encoder, model.text_encoder_2]
 
