@@ -16,6 +16,10 @@ sinusoids, a 12-layer CLIP-L-shaped and a 32-layer bigG-shaped text encoder), so
 SDXL's (986 modules, 1052 with conv_dim); UNet channels (32, 64, 96), text hidden size 32 for both encoders.
 ``python -m library.tiny_model --sdxl OUT_DIR`` writes it as a ``StableDiffusionXLPipeline`` folder plus
 ``OUT_DIR/model.safetensors`` in the SGM single-file layout.
+
+``builtin:tiny-flux`` (``library/families/flux/builtin.py``): ``python -m library.tiny_model --flux OUT_DIR`` writes
+``flux1-dev.safetensors`` (BFL names), ``clip_l.safetensors``, ``t5xxl.safetensors`` and ``ae.safetensors`` (BFL
+names), the four files ``flux_train_network.py`` takes.
 """
 
 from __future__ import annotations
@@ -92,14 +96,39 @@ def write_tiny_sdxl(out_dir: Path, seed: int = 0):
     return model
 
 
+FLUX_FILES = ("flux1-dev.safetensors", "clip_l.safetensors", "t5xxl.safetensors", "ae.safetensors")
+
+
+def write_tiny_flux(out_dir: Path, seed: int = 0):
+    """Write ``builtin:tiny-flux`` as the four files FLUX users have (``FLUX_FILES``: BFL transformer, CLIP-L,
+    T5-XXL, BFL AE), for ``--pretrained_model_name_or_path``, ``--clip_l``, ``--t5xxl`` and ``--ae``."""
+    from library.families.flux.builtin import BUILTIN_TINY_FLUX, build_builtin_flux
+    from library.families.flux.checkpoints import save_transformer
+    from library.families.flux.part_files import save_ae, save_clip_l, save_t5xxl
+
+    force_offline()
+    model = build_builtin_flux(BUILTIN_TINY_FLUX, seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    transformer, clip_l, t5xxl, ae = (out_dir / name for name in FLUX_FILES)
+    save_transformer(model.transformer, transformer)
+    save_clip_l(model.clip_l, clip_l)
+    save_t5xxl(model.t5xxl, t5xxl)
+    save_ae(model.ae, ae)
+    return model
+
+
 def main(argv: list[str]) -> int:
-    sdxl = argv[:1] == ["--sdxl"]
-    rest = argv[1:] if sdxl else argv
+    kind = argv[0] if argv[:1] in (["--sdxl"], ["--flux"]) else None
+    rest = argv[1:] if kind else argv
     if len(rest) != 1 or rest[0].startswith("-"):
-        print("usage: python -m library.tiny_model [--sdxl] OUT_DIR", file=sys.stderr)
+        print("usage: python -m library.tiny_model [--sdxl | --flux] OUT_DIR", file=sys.stderr)
         return 2
     out_dir = Path(rest[0])
-    (write_tiny_sdxl if sdxl else write_tiny_model)(out_dir)
+    if kind == "--flux":
+        write_tiny_flux(out_dir)
+        print(f"wrote {', '.join(str(out_dir / name) for name in FLUX_FILES)}")
+        return 0
+    (write_tiny_sdxl if kind else write_tiny_model)(out_dir)
     print(f"wrote {out_dir} (diffusers folder) and {out_dir / 'model.safetensors'} (single file)")
     return 0
 

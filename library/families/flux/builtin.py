@@ -1,0 +1,112 @@
+"""The built-in FLUX.1 models, drawn from a seed, never downloaded.
+
+``builtin:tiny-flux``: every real module name (2 double + 2 single blocks, ``guidance_in``, 12-layer CLIP-L-shaped
+and 24-layer T5-XXL-shaped text encoders, the AE's 4-level layout) at tiny widths: transformer hidden 32, 2 heads,
+axes_dim (4, 6, 6); CLIP hidden 32 (``vec_in_dim`` 32); T5 d_model 32 (``context_in_dim`` 32); AE channels
+(32, 32, 64, 64) with FLUX's 16 latent channels, scaling 0.3611 and shift 0.1159. Configs:
+``library/assets/configs/tiny-flux``.
+
+``builtin:flux-random``: BFL's real widths with random weights and fewer blocks (the full 12 B does not fit most
+machines). Options follow the name after a colon, comma-separated ``key=value``:
+``builtin:flux-random:double=2,single=4,t5_layers=2,clip_layers=12,variant=schnell``. Defaults: 2 double and
+4 single blocks, the real CLIP-L (12 layers) and T5-XXL (24 layers, 4.7 B parameters: pass ``t5_layers`` to make it
+smaller), variant dev. Both built-ins take the bundled tokenizers (``parts.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from library.base.errors import UserError
+from library.families.flux.model import FluxTransformer
+from library.families.flux.params import DEV, TINY
+from library.families.flux.parts import (
+    REAL_CONFIGS,
+    TINY_CONFIGS,
+    FluxModel,
+    assemble,
+    build_ae,
+    build_clip_l,
+    build_t5xxl,
+    part_config,
+)
+
+BUILTIN_TINY_FLUX = "builtin:tiny-flux"
+BUILTIN_FLUX_RANDOM = "builtin:flux-random"
+BUILTIN_FLUX_MODELS = (BUILTIN_TINY_FLUX, BUILTIN_FLUX_RANDOM)
+RANDOM_OPTIONS = ("double", "single", "t5_layers", "clip_layers", "variant")
+
+
+@dataclass(frozen=True)
+class BuiltinSpec:
+    """What a built-in name asks for."""
+
+    name: str
+    double: int
+    single: int
+    t5_layers: int | None
+    clip_layers: int | None
+    schnell: bool
+
+
+def is_builtin_flux(name: str) -> bool:
+    return name == BUILTIN_TINY_FLUX or name == BUILTIN_FLUX_RANDOM or name.startswith(BUILTIN_FLUX_RANDOM + ":")
+
+
+def _options(text: str, name: str) -> dict[str, str]:
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in RANDOM_OPTIONS:
+            raise UserError(f"{name}: unknown option {item!r}; options: {', '.join(RANDOM_OPTIONS)} (key=value)")
+        options[key] = value
+    return options
+
+
+def _count(options: dict[str, str], key: str, default: int | None, name: str) -> int | None:
+    if key not in options:
+        return default
+    value = options[key]
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"{name}: {key}={value!r} must be a whole number of at least 1")
+    return int(value)
+
+
+def parse_builtin(name: str) -> BuiltinSpec:
+    """``builtin:tiny-flux`` or ``builtin:flux-random[:options]`` as a ``BuiltinSpec``; a ``UserError`` otherwise."""
+    if name == BUILTIN_TINY_FLUX:
+        return BuiltinSpec(name, TINY.depth, TINY.depth_single_blocks, None, None, schnell=False)
+    if not is_builtin_flux(name):
+        raise UserError(f"{name}: not a built-in FLUX model; use {BUILTIN_TINY_FLUX} or {BUILTIN_FLUX_RANDOM}"
+                        "[:double=N,single=N,t5_layers=N,clip_layers=N,variant=dev|schnell]")
+    options = _options(name[len(BUILTIN_FLUX_RANDOM) + 1:], name)
+    variant = options.get("variant", "dev")
+    if variant not in ("dev", "schnell"):
+        raise UserError(f"{name}: variant={variant!r}; use dev or schnell")
+    return BuiltinSpec(
+        name, _count(options, "double", 2, name), _count(options, "single", 4, name),
+        _count(options, "t5_layers", None, name), _count(options, "clip_layers", None, name), variant == "schnell",
+    )
+
+
+def build_builtin_flux(name: str, seed: int = 0) -> FluxModel:
+    """The built-in ``name`` with weights drawn from ``seed``; the caller's RNG state is left untouched."""
+    from library.families.sd.parts import seeded
+
+    spec = parse_builtin(name)
+    tiny = spec.name == BUILTIN_TINY_FLUX
+    configs = TINY_CONFIGS if tiny else REAL_CONFIGS
+    params = replace(TINY if tiny else DEV, depth=spec.double, depth_single_blocks=spec.single,
+                     guidance_embed=not spec.schnell)
+    clip_config = part_config(configs, "clip_l")
+    t5_config = part_config(configs, "t5xxl")
+    if spec.clip_layers is not None:
+        clip_config["num_hidden_layers"] = spec.clip_layers
+    if spec.t5_layers is not None:
+        t5_config.update(num_layers=spec.t5_layers, num_decoder_layers=spec.t5_layers)
+    with seeded(seed):
+        transformer = FluxTransformer(params)
+        clip_l = build_clip_l(clip_config)
+        t5xxl = build_t5xxl(t5_config)
+        ae = build_ae(part_config(configs, "ae"))
+    return assemble(transformer, clip_l, t5xxl, ae, name=name)

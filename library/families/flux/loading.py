@@ -1,0 +1,67 @@
+"""Loading a whole FLUX.1 model offline: ``--pretrained_model_name_or_path`` (a BFL single file, a diffusers FLUX
+folder or shard, or a built-in) plus ``--clip_l``, ``--t5xxl`` and ``--ae``, as upstream sd-scripts'
+``flux_train_network.py`` ``FluxNetworkTrainer.load_target_model`` takes them (four separate files).
+
+Beyond upstream: a diffusers FLUX folder also supplies a missing ``--clip_l`` / ``--t5xxl`` / ``--ae`` from its
+``text_encoder/``, ``text_encoder_2/`` and ``vae/``; a built-in supplies all four (a file given for a part replaces
+that part). Hub ids are never downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from library.base.errors import UserError
+from library.families.flux.builtin import build_builtin_flux, is_builtin_flux
+from library.families.flux.checkpoints import load_transformer
+from library.families.flux.part_files import SUBFOLDERS, load_ae, load_clip_l, load_t5xxl
+from library.families.flux.parts import FluxModel, assemble
+
+if TYPE_CHECKING:
+    import torch
+
+PART_FLAGS = {"clip_l": "--clip_l", "t5xxl": "--t5xxl", "ae": "--ae"}
+PART_LOADERS = {"clip_l": load_clip_l, "t5xxl": load_t5xxl, "ae": load_ae}
+
+
+def _part_source(part: str, given: str | None, model_path: Path) -> Path:
+    if given is not None:
+        return Path(given)
+    if model_path.is_dir() and (model_path / SUBFOLDERS[part]).is_dir():
+        return model_path
+    raise UserError(f"{PART_FLAGS[part]} is required with {model_path} (a FLUX.1 transformer alone); give the "
+                    f"{part} .safetensors file")
+
+
+def load_flux_model(
+    path: str,
+    *,
+    clip_l: str | None = None,
+    t5xxl: str | None = None,
+    ae: str | None = None,
+    dtype: torch.dtype | None = None,
+    device: str = "cpu",
+    mmap: bool = True,
+    seed: int = 0,
+) -> FluxModel:
+    """The transformer, CLIP-L, T5-XXL and AE with the bundled tokenizers, frozen, on ``device``.
+
+    ``dtype`` None keeps each file's stored dtype (upstream loads the DiT as stored for ``--fp8_base``); built-ins
+    are float32, drawn from ``seed``. ``mmap`` False reads files whole (``--disable_mmap_load_safetensors``).
+    """
+    from library.families.sd.parts import force_offline
+
+    force_offline()
+    given = {"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}
+    if is_builtin_flux(path):
+        model = build_builtin_flux(path, seed)
+        for part, source in given.items():
+            if source is not None:
+                setattr(model, part, PART_LOADERS[part](source, dtype=dtype, device=device, mmap=mmap))
+        return assemble(model.transformer, model.clip_l, model.t5xxl, model.ae, name=path)
+    model_path = Path(path)
+    transformer = load_transformer(model_path, dtype=dtype, device=device, mmap=mmap)
+    parts = {part: PART_LOADERS[part](_part_source(part, source, model_path), dtype=dtype, device=device, mmap=mmap)
+             for part, source in given.items()}
+    return assemble(transformer, parts["clip_l"], parts["t5xxl"], parts["ae"], name=path)

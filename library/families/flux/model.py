@@ -1,0 +1,170 @@
+"""The FLUX.1 transformer (``FluxTransformer``) with BFL's parameter names, as upstream sd-scripts'
+``library/flux_models.py`` ``Flux`` (forward, gradient checkpointing, CPU-offload checkpointing).
+
+Inputs: packed latents ``img`` (b, h/2 * w/2, 64) with ``img_ids`` (b, n, 3), T5 states ``txt`` (b, l, 4096) with
+``txt_ids`` (zeros), ``timesteps`` in [0, 1] (the embedding multiplies by 1000), CLIP-L pooled ``y`` (b, 768),
+``guidance`` for dev (required) and the optional T5 attention mask.
+
+**Hook point for block swapping.** Every block runs through ``FluxTransformer.run_block(stack, index, *inputs)``
+(``stack`` is ``"double"`` or ``"single"``). When ``block_hooks`` is set (a ``BlockHooks``), ``forward`` calls its
+``before_forward(model)`` once, then ``before_block(stack, index)`` before each block (wait for its weights) and
+``after_block(stack, index)`` after it (start moving weights out/in), as upstream's ``ModelOffloader``
+``wait_for_block`` / ``submit_move_blocks``; backward-side swapping is registered by the hooks object itself on the
+blocks (module backward hooks), as upstream's offloader does. ``compute_device`` (where ``img_in`` lives) never
+swaps, so it names the device blocks compute on.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from library.families.flux.blocks import DoubleStreamBlock, SingleStreamBlock
+from library.families.flux.layers import EmbedND, LastLayer, MLPEmbedder, timestep_embedding
+from library.families.flux.params import FluxParams
+
+STACKS = ("double", "single")
+
+
+class BlockHooks(Protocol):
+    """What block swapping plugs into ``FluxTransformer.block_hooks`` (see the module docstring)."""
+
+    def before_forward(self, model: FluxTransformer) -> None: ...
+
+    def before_block(self, stack: str, index: int) -> None: ...
+
+    def after_block(self, stack: str, index: int) -> None: ...
+
+
+def _move(value, device: torch.device | str):
+    """Tensors (also inside tuples) to ``device``; anything else unchanged."""
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return tuple(_move(item, device) for item in value)
+    return value
+
+
+class FluxTransformer(nn.Module):
+    """Transformer for flow matching on packed latent sequences (upstream ``flux_models.Flux``)."""
+
+    def __init__(self, params: FluxParams):
+        super().__init__()
+        params.check()
+        self.params = params
+        self.in_channels = params.in_channels
+        self.out_channels = params.in_channels
+        self.hidden_size = params.hidden_size
+        self.num_heads = params.num_heads
+        self.pe_embedder = EmbedND(params.theta, params.axes_dim)
+        self.img_in = nn.Linear(params.in_channels, params.hidden_size, bias=True)
+        self.time_in = MLPEmbedder(256, params.hidden_size)
+        self.vector_in = MLPEmbedder(params.vec_in_dim, params.hidden_size)
+        self.guidance_in = MLPEmbedder(256, params.hidden_size) if params.guidance_embed else nn.Identity()
+        self.txt_in = nn.Linear(params.context_in_dim, params.hidden_size)
+        self.double_blocks = nn.ModuleList(
+            DoubleStreamBlock(params.hidden_size, params.num_heads, params.mlp_ratio, params.qkv_bias)
+            for _ in range(params.depth)
+        )
+        self.single_blocks = nn.ModuleList(
+            SingleStreamBlock(params.hidden_size, params.num_heads, params.mlp_ratio)
+            for _ in range(params.depth_single_blocks)
+        )
+        self.final_layer = LastLayer(params.hidden_size, self.out_channels)
+        self.gradient_checkpointing = False
+        self.cpu_offload_checkpointing = False
+        self.block_hooks: BlockHooks | None = None
+
+    @property
+    def is_schnell(self) -> bool:
+        """True for a model without the guidance embedder (FLUX.1-schnell)."""
+        return not self.params.guidance_embed
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self.img_in.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.img_in.weight.dtype
+
+    def enable_gradient_checkpointing(self, cpu_offload: bool = False) -> None:
+        """Recompute each block (and the three embedders) in backward (``use_reentrant=False``). ``cpu_offload``
+        keeps the saved block inputs/outputs on the CPU (upstream ``--cpu_offload_checkpointing``)."""
+        self.gradient_checkpointing = True
+        self.cpu_offload_checkpointing = cpu_offload
+
+    def disable_gradient_checkpointing(self) -> None:
+        self.gradient_checkpointing = False
+        self.cpu_offload_checkpointing = False
+
+    def _checkpointing(self) -> bool:
+        return self.training and self.gradient_checkpointing
+
+    def _embed(self, embedder: nn.Module, x: Tensor) -> Tensor:
+        if self._checkpointing():
+            return checkpoint(embedder, x, use_reentrant=False)
+        return embedder(x)
+
+    def block(self, stack: str, index: int) -> nn.Module:
+        return (self.double_blocks if stack == "double" else self.single_blocks)[index]
+
+    def run_block(self, stack: str, index: int, *inputs):
+        """Run block ``index`` of ``stack`` on ``inputs``: the single place the block loop goes through (hooks,
+        checkpointing, CPU offload of checkpointed activations)."""
+        if self.block_hooks is not None:
+            self.block_hooks.before_block(stack, index)
+        block = self.block(stack, index)
+        if not self._checkpointing():
+            out = block(*inputs)
+        elif self.cpu_offload_checkpointing:
+            out = checkpoint(self._offloaded_call, block, *inputs, use_reentrant=False)
+        else:
+            out = checkpoint(block, *inputs, use_reentrant=False)
+        if self.block_hooks is not None:
+            self.block_hooks.after_block(stack, index)
+        return out
+
+    def _offloaded_call(self, block: nn.Module, *inputs):
+        """Inputs to the compute device, outputs to the CPU (upstream's ``to_cuda``/``to_cpu`` wrapper)."""
+        return _move(block(*_move(inputs, self.compute_device)), "cpu")
+
+    def conditioning(self, timesteps: Tensor, y: Tensor, guidance: Tensor | None) -> Tensor:
+        """The modulation vector: time, guidance (dev) and pooled CLIP-L embeddings summed."""
+        vec = self._embed(self.time_in, timestep_embedding(timesteps, 256))
+        if self.params.guidance_embed:
+            if guidance is None:
+                raise ValueError("FLUX.1-dev is guidance-distilled: pass guidance (b,), e.g. --guidance_scale")
+            vec = vec + self._embed(self.guidance_in, timestep_embedding(guidance, 256))
+        return vec + self._embed(self.vector_in, y)
+
+    def forward(
+        self,
+        img: Tensor,
+        img_ids: Tensor,
+        txt: Tensor,
+        txt_ids: Tensor,
+        timesteps: Tensor,
+        y: Tensor,
+        guidance: Tensor | None = None,
+        txt_attention_mask: Tensor | None = None,
+    ) -> Tensor:
+        """The velocity prediction for ``img`` (b, n, in_channels), same shape."""
+        if img.ndim != 3 or txt.ndim != 3:
+            raise ValueError("img and txt must be (batch, tokens, channels)")
+        if self.block_hooks is not None:
+            self.block_hooks.before_forward(self)
+        img = self.img_in(img)
+        vec = self.conditioning(timesteps, y, guidance)
+        txt = self.txt_in(txt)
+        pe = self.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
+        for index in range(len(self.double_blocks)):
+            img, txt = self.run_block("double", index, img, txt, vec, pe, txt_attention_mask)
+        x = torch.cat((txt, img), 1)
+        for index in range(len(self.single_blocks)):
+            x = self.run_block("single", index, x, vec, pe, txt_attention_mask)
+        img = x[:, txt.shape[1]:, ...].to(self.compute_device)
+        return self.final_layer(img, vec.to(self.compute_device))
