@@ -110,10 +110,10 @@ def write_tiny_flux(out_dir: Path, seed: int = 0):
     model = build_builtin_flux(BUILTIN_TINY_FLUX, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     transformer, clip_l, t5xxl, ae = (out_dir / name for name in FLUX_FILES)
-    save_transformer(model.transformer, transformer)
+    save_transformer(model.unet, transformer)
     save_clip_l(model.clip_l, clip_l)
     save_t5xxl(model.t5xxl, t5xxl)
-    save_ae(model.ae, ae)
+    save_ae(model.vae, ae)
     return model
 
 

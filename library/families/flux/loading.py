@@ -59,7 +59,7 @@ def load_flux_model(
         for part, source in given.items():
             if source is not None:
                 setattr(model, part, PART_LOADERS[part](source, dtype=dtype, device=device, mmap=mmap))
-        return assemble(model.transformer, model.clip_l, model.t5xxl, model.ae, name=path)
+        return assemble(model.unet, model.clip_l, model.t5xxl, model.vae, name=path)
     model_path = Path(path)
     transformer = load_transformer(model_path, dtype=dtype, device=device, mmap=mmap)
     parts = {part: PART_LOADERS[part](_part_source(part, source, model_path), dtype=dtype, device=device, mmap=mmap)

@@ -37,19 +37,21 @@ PART_CONFIGS = ("clip_l", "t5xxl", "ae")
 
 @dataclass
 class FluxModel:
-    """A loaded FLUX.1 model: what ``flux_train_network.py`` uses (``load_target_model`` + tokenizers)."""
+    """A loaded FLUX.1 model: what ``flux_train_network.py`` uses (``load_target_model`` + tokenizers). The
+    transformer is ``unet`` and the AE ``vae``: the names the trainer gives every family's denoiser and autoencoder
+    (upstream's ``train_network.py`` passes the FLUX transformer as its ``unet`` too)."""
 
-    transformer: FluxTransformer
+    unet: FluxTransformer
     clip_l: CLIPTextModel
     t5xxl: T5EncoderModel
-    ae: AutoencoderKL
+    vae: AutoencoderKL
     clip_tokenizer: CLIPTokenizer
     t5_tokenizer: T5TokenizerFast
     name: str
 
     @property
     def is_schnell(self) -> bool:
-        return self.transformer.is_schnell
+        return self.unet.is_schnell
 
 
 def part_config(configs: str, part: str, **overrides) -> dict:
@@ -104,5 +106,5 @@ def assemble(transformer: FluxTransformer, clip_l, t5xxl, ae, *, name: str) -> F
     """Freeze the parts and bundle them with the bundled tokenizers."""
     for part in (transformer, clip_l, t5xxl, ae):
         freeze(part)
-    return FluxModel(transformer=transformer, clip_l=clip_l, t5xxl=t5xxl, ae=ae,
+    return FluxModel(unet=transformer, clip_l=clip_l, t5xxl=t5xxl, vae=ae,
                      clip_tokenizer=load_clip_tokenizer(), t5_tokenizer=load_t5_tokenizer(), name=name)

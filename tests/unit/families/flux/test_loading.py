@@ -39,8 +39,8 @@ def test_the_four_files_load_back_equal(tiny_files):
     for part in ("transformer", "clip_l", "t5xxl", "ae"):
         _assert_equal_states(getattr(loaded, part), getattr(model, part))
     assert not loaded.is_schnell
-    assert loaded.ae.config.latent_channels == 16
-    assert (loaded.ae.config.scaling_factor, loaded.ae.config.shift_factor) == (0.3611, 0.1159)
+    assert loaded.vae.config.latent_channels == 16
+    assert (loaded.vae.config.scaling_factor, loaded.vae.config.shift_factor) == (0.3611, 0.1159)
     ids = loaded.t5_tokenizer(["a cat"], return_tensors="pt").input_ids
     assert torch.equal(loaded.t5xxl(ids).last_hidden_state, model.t5xxl(ids).last_hidden_state)
 
@@ -63,12 +63,12 @@ def test_files_have_bfl_names(tiny_files):
 def test_prefixed_and_schnell_files(tiny_files, tmp_path):
     out, model = tiny_files
     prefixed = tmp_path / "comfy.safetensors"
-    save_transformer(model.transformer, prefixed, prefix="model.diffusion_model.")
-    _assert_equal_states(load_transformer(prefixed), model.transformer)
+    save_transformer(model.unet, prefixed, prefix="model.diffusion_model.")
+    _assert_equal_states(load_transformer(prefixed), model.unet)
     state = load_file(str(out / FLUX_FILES[0]))
     schnell = tmp_path / "schnell.safetensors"
     metadata = {"sd_scripts_bf16.config": __import__("json").dumps(
-        {**model.transformer.params.__dict__, "axes_dim": list(model.transformer.params.axes_dim)})}
+        {**model.unet.params.__dict__, "axes_dim": list(model.unet.params.axes_dim)})}
     save_file({k: v for k, v in state.items() if not k.startswith("guidance_in.")}, str(schnell), metadata)
     loaded = load_transformer(schnell)
     assert loaded.is_schnell and not hasattr(loaded.guidance_in, "in_layer")
@@ -76,17 +76,17 @@ def test_prefixed_and_schnell_files(tiny_files, tmp_path):
 
 def test_diffusers_folder_and_shards_round_trip(tiny_files, tmp_path):
     _, model = tiny_files
-    save_diffusers_transformer(model.transformer, tmp_path, shards=2)
+    save_diffusers_transformer(model.unet, tmp_path, shards=2)
     shards = sorted((tmp_path / "transformer").glob("*.safetensors"))
     assert [p.name for p in shards] == ["diffusion_pytorch_model-00001-of-00002.safetensors",
                                         "diffusion_pytorch_model-00002-of-00002.safetensors"]
-    _assert_equal_states(load_transformer(tmp_path), model.transformer)
-    _assert_equal_states(load_transformer(shards[0]), model.transformer)
+    _assert_equal_states(load_transformer(tmp_path), model.unet)
+    _assert_equal_states(load_transformer(shards[0]), model.unet)
 
 
 def test_diffusers_map_by_hand(tiny_files):
     _, model = tiny_files
-    bfl = model.transformer.state_dict()
+    bfl = model.unet.state_dict()
     dif = bfl_to_diffusers(bfl)
     qkv = bfl["double_blocks.0.img_attn.qkv.weight"]
     assert torch.equal(torch.cat([dif[f"transformer_blocks.0.attn.to_{x}.weight"] for x in "qkv"]), qkv)
@@ -134,11 +134,11 @@ def test_corrupt_and_unknown_files_name_the_file(tiny_files, tmp_path):
 
 def test_builtins_and_bundled_t5_tokenizer():
     model = build_builtin_flux(BUILTIN_TINY_FLUX, seed=3)
-    assert (model.transformer.params.depth, model.transformer.params.depth_single_blocks) == (2, 2)
+    assert (model.unet.params.depth, model.unet.params.depth_single_blocks) == (2, 2)
     assert model.t5xxl.config.num_layers == 24 and model.clip_l.config.num_hidden_layers == 12
     assert model.clip_l.config.hidden_act == "gelu"
     again = build_builtin_flux(BUILTIN_TINY_FLUX, seed=3)
-    _assert_equal_states(model.transformer, again.transformer)
+    _assert_equal_states(model.unet, again.unet)
     # ids from google/t5-v1_1-xxl's tokenizer under upstream's transformers 4.54
     ids = model.t5_tokenizer(["a photo of a cat, (masterpiece) 1girl"]).input_ids[0]
     assert ids == [3, 9, 1202, 13, 3, 9, 1712, 6, 41, 7429, 8424, 61, 209, 18722, 1]
