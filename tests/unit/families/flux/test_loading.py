@@ -36,7 +36,7 @@ def test_the_four_files_load_back_equal(tiny_files):
     out, model = tiny_files
     transformer, clip_l, t5xxl, ae = (str(out / name) for name in FLUX_FILES)
     loaded = load_flux_model(transformer, clip_l=clip_l, t5xxl=t5xxl, ae=ae)
-    for part in ("transformer", "clip_l", "t5xxl", "ae"):
+    for part in ("unet", "clip_l", "t5xxl", "vae"):
         _assert_equal_states(getattr(loaded, part), getattr(model, part))
     assert not loaded.is_schnell
     assert loaded.vae.config.latent_channels == 16

@@ -1,0 +1,188 @@
+"""``--network_args`` of ``networks.lora_flux``, as upstream sd-scripts 48d368fa ``networks/lora_flux.py``
+``create_network`` reads them (values are strings; a boolean is true only for the exact string ``"True"``).
+
+Every key is converted up front; a malformed value or an unknown key is a ``UserError`` naming it (upstream asserts,
+logs a warning and skips, or ignores it). ``ggpo_beta`` / ``ggpo_sigma`` (LoRA-GGPO) are refused: this project's
+LoRA modules have no weight perturbation. ``conv_dim`` / ``conv_alpha`` are accepted as upstream does, and change
+nothing: the FLUX blocks have no Conv2d.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from library.base.errors import UserError, did_you_mean
+from networks.args import LoRAArgs, parse_probability
+
+TYPE_DIM_KEYS = ("img_attn_dim", "txt_attn_dim", "img_mlp_dim", "txt_mlp_dim", "img_mod_dim", "txt_mod_dim",
+                 "single_dim", "single_mod_dim")
+IN_DIM_NAMES = ("img", "time", "vector", "guidance", "txt")
+TRAIN_BLOCKS = ("all", "single", "double")
+
+ACCEPTED_KEYS = (
+    *TYPE_DIM_KEYS, "in_dims", "train_blocks", "split_qkv", "train_t5xxl", "train_double_block_indices",
+    "train_single_block_indices", "network_reg_dims", "network_reg_lrs", "verbose", "rank_dropout", "module_dropout",
+    "dropout", "conv_dim", "conv_alpha", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
+    "loraplus_text_encoder_lr_ratio",
+)
+REFUSED_KEYS = {
+    "ggpo_beta": "LoRA-GGPO (ggpo_beta/ggpo_sigma) is not implemented by this trainer; train without it",
+    "ggpo_sigma": "LoRA-GGPO (ggpo_beta/ggpo_sigma) is not implemented by this trainer; train without it",
+}
+
+
+@dataclass
+class FluxLoRAArgs:
+    """The FLUX-only network args (upstream ``LoRANetwork.__init__`` parameters of the same names)."""
+
+    train_blocks: str = "all"
+    split_qkv: bool = False
+    train_t5xxl: bool = False
+    type_dims: tuple[int | None, ...] | None = None  # in TYPE_DIM_KEYS order; None: none given
+    in_dims: tuple[int, ...] | None = None  # img, time, vector, guidance, txt
+    double_indices: str | None = None  # "all", "none", "0-3,10"; checked against the model's block count
+    single_indices: str | None = None
+    reg_dims: dict[str, int] = field(default_factory=dict)
+    reg_lrs: dict[str, float] = field(default_factory=dict)
+    verbose: bool = False
+
+
+def _int(key: str, value: Any) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise UserError(f"network_args {key}={value!r}: must be a whole number >= 0") from None
+    if number < 0:
+        raise UserError(f"network_args {key}={value}: must be a whole number >= 0")
+    return number
+
+
+def _float(key: str, value: Any, positive: bool = False) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"network_args {key}={value!r}: not a number") from None
+    if not math.isfinite(number) or (positive and number <= 0):
+        raise UserError(f"network_args {key}={value!r}: must be a finite number{' > 0' if positive else ''}")
+    return number
+
+
+def _in_dims(value: str) -> tuple[int, ...]:
+    """``"[4,0,2,0,3]"`` or ``"4,0,2,0,3"``: five ranks for img_in, time_in, vector_in, guidance_in, txt_in."""
+    text = str(value).strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    dims = tuple(_int("in_dims", item) for item in text.split(","))
+    if len(dims) != len(IN_DIM_NAMES):
+        raise UserError(f"network_args in_dims={value!r}: needs 5 ranks ({', '.join(IN_DIM_NAMES)}), got {len(dims)}")
+    return dims
+
+
+def _regex_pairs(key: str, value: str, integer: bool) -> dict[str, Any]:
+    """``"regex=value,regex=value"`` (upstream ``parse_kv_pairs``); keeps the order, the first match wins."""
+    pairs: dict[str, Any] = {}
+    for item in (part.strip() for part in str(value).split(",")):
+        if not item:
+            continue
+        pattern, sep, number = item.partition("=")
+        if not sep:
+            raise UserError(f"network_args {key}: {item!r} is not regex=value")
+        try:
+            re.compile(pattern.strip())
+        except re.error as exc:
+            raise UserError(f"network_args {key}: {pattern.strip()!r} is not a regular expression ({exc})") from None
+        pairs[pattern.strip()] = _int(key, number) if integer else _float(key, number)
+    return pairs
+
+
+def _train_blocks(value: Any) -> str:
+    if value is None:
+        return "all"
+    if value not in TRAIN_BLOCKS:
+        raise UserError(f"network_args train_blocks={value!r}: one of {', '.join(TRAIN_BLOCKS)}")
+    return value
+
+
+def parse_block_selection(key: str, selection: str, total: int) -> list[bool]:
+    """Which blocks of ``total`` train (upstream ``parse_block_selection``): "all", "none" or "", or indices and
+    inclusive ranges such as ``"0-3,10"``."""
+    if selection == "all":
+        return [True] * total
+    selected = [False] * total
+    if selection in ("none", ""):
+        return selected
+    for item in selection.split(","):
+        start_text, dash, end_text = item.partition("-")
+        start = _int(key, start_text)
+        end = _int(key, end_text) if dash else start
+        if not start <= end < total:
+            raise UserError(f"network_args {key}={selection!r}: {item.strip()} is not a block index or range "
+                            f"within 0-{total - 1} (this model has {total} such blocks)")
+        for index in range(start, end + 1):
+            selected[index] = True
+    return selected
+
+
+def _check_keys(given: Mapping[str, Any]) -> None:
+    refused = [f"network_args {k}: {REFUSED_KEYS[k]}" for k in given if k in REFUSED_KEYS]
+    unknown = [f"unknown network_args key {k!r} for networks.lora_flux{did_you_mean(k, ACCEPTED_KEYS)}; accepted: "
+               f"{', '.join(ACCEPTED_KEYS)}" for k in given if k not in ACCEPTED_KEYS and k not in REFUSED_KEYS]
+    if refused or unknown:
+        raise UserError(*refused, *unknown)
+
+
+def _shared_args(network_dim: Any, network_alpha: Any, neuron_dropout: Any, given: Mapping[str, Any]) -> LoRAArgs:
+    """Rank, alpha, dropouts and LoRA+ ratios, into the ``LoRAArgs`` the shared network code reads."""
+    args = LoRAArgs()
+    if network_dim is not None:
+        args.dim = _int("network_dim", network_dim)
+        if args.dim == 0:
+            raise UserError("--network_dim 0: the rank must be at least 1")
+    if network_alpha is not None:
+        args.alpha = _float("network_alpha", network_alpha)
+    args.neuron_dropout = parse_probability("network_dropout", neuron_dropout)
+    alias = parse_probability("dropout", given.get("dropout"))
+    if alias is not None and args.neuron_dropout is not None and alias != args.neuron_dropout:
+        raise UserError(f"network_args dropout={alias} contradicts --network_dropout {args.neuron_dropout}; "
+                        "give only one")
+    args.neuron_dropout = args.neuron_dropout if args.neuron_dropout is not None else alias
+    args.rank_dropout = parse_probability("rank_dropout", given.get("rank_dropout"))
+    args.module_dropout = parse_probability("module_dropout", given.get("module_dropout"))
+    for key in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
+        if key in given:
+            setattr(args, key, _float(key, given[key], positive=True))
+    if "conv_dim" in given:
+        _int("conv_dim", given["conv_dim"])
+    if "conv_alpha" in given:
+        _float("conv_alpha", given["conv_alpha"])
+    return args
+
+
+def parse_flux_network_args(network_dim: Any, network_alpha: Any, neuron_dropout: Any,
+                            kwargs: Mapping[str, Any]) -> tuple[LoRAArgs, FluxLoRAArgs]:
+    """Convert and check everything ``networks.lora_flux.create_network`` receives; ``None`` values count as not
+    given. Block indices are kept as text until the model's block counts are known."""
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    _check_keys(given)
+    args = _shared_args(network_dim, network_alpha, neuron_dropout, given)
+    flux = FluxLoRAArgs(
+        train_blocks=_train_blocks(given.get("train_blocks")),
+        split_qkv=given.get("split_qkv") == "True",
+        train_t5xxl=given.get("train_t5xxl") == "True",
+        verbose=given.get("verbose") == "True",
+        double_indices=given.get("train_double_block_indices"),
+        single_indices=given.get("train_single_block_indices"),
+    )
+    type_dims = tuple(_int(k, given[k]) if k in given else None for k in TYPE_DIM_KEYS)
+    flux.type_dims = None if all(d is None for d in type_dims) else type_dims
+    if "in_dims" in given:
+        flux.in_dims = _in_dims(given["in_dims"])
+    if "network_reg_dims" in given:
+        flux.reg_dims = _regex_pairs("network_reg_dims", given["network_reg_dims"], integer=True)
+    if "network_reg_lrs" in given:
+        flux.reg_lrs = _regex_pairs("network_reg_lrs", given["network_reg_lrs"], integer=False)
+    return args, flux
