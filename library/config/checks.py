@@ -8,6 +8,7 @@ import logging
 
 from library.base.errors import UserError
 from library.config.data import DataConfig
+from library.config.flux import flux_script_problems
 from library.config.log import LogConfig, read_tracker_config
 from library.config.model import model_problems
 from library.config.network import network_module_problems
@@ -77,7 +78,7 @@ def _log_problems(cfg: LogConfig) -> list[str]:
 
 # What bucket_reso_steps must be a multiple of, per model family: each family's ``bucket_step``
 # (library/families/), repeated here because the config package imports no torch.
-BUCKET_STEPS = {"sd": 64, "sdxl": 32}
+BUCKET_STEPS = {"sd": 64, "sdxl": 32, "flux": 32}
 
 
 def _dataset_problems(cfg: TrainConfig) -> list[str]:
@@ -97,7 +98,7 @@ def _dataset_problems(cfg: TrainConfig) -> list[str]:
 
 
 # What an entry script refuses beyond the checks every script makes, by model family (``TrainConfig.family``).
-SCRIPT_PROBLEMS = {"sdxl": sdxl_script_problems}
+SCRIPT_PROBLEMS = {"sdxl": sdxl_script_problems, "flux": flux_script_problems}
 
 
 def validate(cfg: TrainConfig) -> None:

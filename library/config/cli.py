@@ -8,9 +8,10 @@ floats for integers. Unlike sd-scripts, an unknown TOML key or flag is an error 
 ignored, and a value of the wrong type is an error naming the file, table and key; the keys that the kohya_ss GUI
 writes without sd-scripts using them are accepted with an info line (``library/config/gui.py``).
 
-One parser per entry script: ``train_network.py`` (SD 1.x/2.x, family "sd") and ``sdxl_train_network.py`` (family
-"sdxl"), which adds the SDXL-only flags (``library/config/sdxl.py``); the SD script refuses those keys in a TOML
-with a message naming the SDXL script, as for the other families' keys.
+One parser per entry script: ``train_network.py`` (SD 1.x/2.x, family "sd"), ``sdxl_train_network.py`` (family
+"sdxl"), which adds the SDXL-only flags (``library/config/sdxl.py``), and ``flux_train_network.py`` (family "flux"),
+which adds the FLUX.1-only flags (``library/config/flux.py``); each script refuses the others' keys in a TOML with
+a message naming the scripts that have them, as for the keys of upstream's other families' scripts.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from library.base.bounded import load_toml
 from library.base.errors import UserError, did_you_mean
 from library.config import SECRET_FIELDS, TrainConfig, all_fields, family_sections, field_default, from_namespace
-from library.config.gui import GUI_ONLY_KEYS, GUI_REFUSED_WHEN_SET, GUI_TRACKER_KEYS, other_family
+from library.config.gui import GUI_ONLY_KEYS, GUI_REFUSED_WHEN_SET, GUI_TRACKER_KEYS, OTHER_FAMILY_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,11 @@ PROG = "train_network.py"
 # Entry script per model family, what its --help says it trains, and what its config errors say it trains.
 SCRIPTS = {"sd": (PROG, "Train a LoRA for Stable Diffusion 1.x/2.x (kohya sd-scripts flags).", "SD 1.x/2.x LoRAs"),
            "sdxl": ("sdxl_train_network.py", "Train a LoRA for Stable Diffusion XL (kohya sd-scripts flags).",
-                    "SDXL LoRAs")}
+                    "SDXL LoRAs"),
+           "flux": ("flux_train_network.py", "Train a LoRA for FLUX.1 dev / schnell (kohya sd-scripts flags).",
+                    "FLUX.1 LoRAs")}
+# How a key's owner is named in "is an option for ..." (as library/config/gui.py names upstream's scripts).
+FAMILY_NAMES = {"sd": "SD 1.x/2.x", "sdxl": "SDXL", "flux": "FLUX.1"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -190,6 +195,19 @@ def _quiet_gui_tracker_fields(values: dict[str, Any], explicit: dict[str, Any], 
             gui_fields.append(key)
 
 
+def _owners(key: str, family: str) -> str | None:
+    """The other scripts that have ``key``: ours first (in ``SCRIPTS`` order), then those of upstream's families
+    that the kohya_ss GUI writes keys for; None when no other script has it."""
+    ours = [f"{FAMILY_NAMES[other]} ({prog})" for other, (prog, _, _) in SCRIPTS.items()
+            if other != family and key in all_fields(other)]
+    here = f"{FAMILY_NAMES[family]} ({SCRIPTS[family][0]})"
+    owners = ours + [name for name, keys in OTHER_FAMILY_KEYS.items()
+                     if key in keys and name not in ours and name != here]
+    if not owners:
+        return None
+    return owners[0] if len(owners) == 1 else ", ".join(owners[:-1]) + " and " + owners[-1]
+
+
 def _read_config(path: str, family: str) -> tuple[dict[str, Any], Path, list[str]]:
     """``read_config_file`` without the info line: the values, the file, and the GUI-only keys it holds."""
     file = Path(path if path.endswith(".toml") else path + ".toml")
@@ -215,7 +233,7 @@ def _read_config(path: str, family: str) -> tuple[dict[str, Any], Path, list[str
                 if value:
                     problems.append(f"{loc} {key} = {value!r}: {GUI_REFUSED_WHEN_SET[name]}")
             elif name not in fields and name not in LEGACY_OPTIMIZER_FLAGS:
-                owner = other_family(key)
+                owner = _owners(key, family)
                 if owner is not None:
                     problems.append(f'{loc} "{key}" is an option for {owner}; {prog} trains {trains}')
                 else:

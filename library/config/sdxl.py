@@ -25,6 +25,11 @@ class SDXLConfig:
         False, "read a .safetensors checkpoint into memory in one go instead of memory-mapping it (faster on WSL "
         "and network drives)")
 
+    @property
+    def caches_text_encoder_outputs(self) -> bool:
+        """Either caching flag is set."""
+        return self.cache_text_encoder_outputs or self.cache_text_encoder_outputs_to_disk
+
 
 def sdxl_script_problems(cfg: TrainConfig) -> list[str]:
     """What ``sdxl_train_network.py`` refuses (sd-scripts' ``verify_sdxl_training_args`` / ``assert_extra_args``)."""

@@ -8,6 +8,7 @@ from typing import Any
 
 from library.config.data import DataConfig
 from library.config.distributed import DistributedConfig
+from library.config.flux import FluxConfig
 from library.config.log import LogConfig
 from library.config.loss import LossConfig
 from library.config.model import ModelConfig
@@ -44,7 +45,14 @@ class TrainConfig:
     distributed: DistributedConfig
     unavailable: UnavailableConfig
     sdxl: SDXLConfig = dataclasses.field(default_factory=SDXLConfig)
-    family: str = "sd"  # the model family the entry script trains: "sd" (train_network.py) or "sdxl"
+    flux: FluxConfig = dataclasses.field(default_factory=FluxConfig)
+    # the model family the entry script trains: "sd" (train_network.py), "sdxl" or "flux"
+    family: str = "sd"
+
+    def family_section(self) -> Any:
+        """The section only this run's script has (``SDXLConfig``, ``FluxConfig``), None for SD 1.x/2.x."""
+        name = next((section for section, family in FAMILY_SECTIONS.items() if family == self.family), None)
+        return getattr(self, name) if name is not None else None
 
 
 # Section name -> class, in the order of ``TrainConfig`` (and of the groups in ``--help``).
@@ -53,14 +61,14 @@ SECTION_CLASSES: dict[str, type] = {
     "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "precision": PrecisionConfig,
     "noise": NoiseConfig, "loss": LossConfig, "save": SaveConfig, "log": LogConfig, "sample": SampleConfig,
     "validation": ValidationConfig, "distributed": DistributedConfig, "unavailable": UnavailableConfig,
-    "sdxl": SDXLConfig,
+    "sdxl": SDXLConfig, "flux": FluxConfig,
 }
 # Sections whose flags only one model family's script has.
-FAMILY_SECTIONS: dict[str, str] = {"sdxl": "sdxl"}
+FAMILY_SECTIONS: dict[str, str] = {"sdxl": "sdxl", "flux": "flux"}
 
 
 def family_sections(family: str) -> dict[str, type]:
-    """The sections whose flags the script of ``family`` ("sd" or "sdxl") parses."""
+    """The sections whose flags the script of ``family`` ("sd", "sdxl" or "flux") parses."""
     return {name: cls for name, cls in SECTION_CLASSES.items() if FAMILY_SECTIONS.get(name, family) == family}
 
 
@@ -95,9 +103,13 @@ def public_snapshot(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
 
 
 def from_namespace(values: dict[str, Any], family: str = "sd") -> TrainConfig:
-    """Build the typed config from parsed flag values (a dict keyed by flag name) for the script of ``family``."""
+    """Build the typed config from parsed flag values (a dict keyed by flag name) for the script of ``family``.
+
+    Only the sections of that script take values: the other families' sections keep their defaults, also for a flag
+    name two families share (``cache_text_encoder_outputs`` is in ``sdxl`` and in ``flux``)."""
+    own = family_sections(family)
     sections = {
-        name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+        name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values and name in own})
         for name, cls in SECTION_CLASSES.items()
     }
     return TrainConfig(**sections, family=family)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from library.config import ModelConfig, SDXLConfig
+    from library.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,18 @@ class ModelFamily(Protocol):
     name: str  # the entry script's family: "sd" (train_network.py), "sdxl" (sdxl_train_network.py)
     caches_text_outputs: bool  # --cache_text_encoder_outputs applies (then ``to_cache``/``from_cache`` exist)
     bucket_step: int  # the bucket resolution step sd-scripts verifies for the family
-    latent_suffix: str  # the latent cache file suffix (``_sd``, ``_sdxl``), as sd-scripts keeps them apart
+    latent_suffix: str  # the latent cache file suffix (``_sd``, ``_sdxl``, ``_flux``), as sd-scripts keeps them apart
+    diffusers_denoiser: bool  # the denoiser is a diffusers UNet (attention processors, its checkpointing call)
 
-    def model_ids(self, v2: bool, v_parameterization: bool) -> ModelIds:
-        """The base model's names in the LoRA metadata."""
+    def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
+        """The base model's names in the LoRA metadata (``model``: the loaded bundle, where its kind decides)."""
 
-    def load(self, cfg: ModelConfig, sdxl: SDXLConfig, dtype: torch.dtype, file_device: str = "cpu") -> Any:
-        """The model bundle, loaded offline."""
+    def metadata(self, cfg: Any) -> dict[str, str]:
+        """The family's own ``ss_*`` keys of the LoRA metadata (none for SD and SDXL)."""
+
+    def load(self, cfg: ModelConfig, section: Any, dtype: torch.dtype, file_device: str = "cpu") -> Any:
+        """The model bundle, loaded offline; ``section`` is the family's own flag section (``TrainConfig.
+        family_section``: ``SDXLConfig``, ``FluxConfig``; None for SD)."""
 
     def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
         """What the loss trains towards (``library/train/objective.py``'s ``Objective``), on ``device``; ``cfg``: the

@@ -14,11 +14,12 @@ import hashlib
 import importlib.util
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from library.base.errors import UserError
-from library.config import DataConfig, ModelConfig, PrecisionConfig, SDXLConfig
+from library.config import DataConfig, ModelConfig, PrecisionConfig
 from library.data.text_cache import ArrayNames
 from library.families.base import ModelFamily
 from library.families.fp8 import fp8_bytes, store_fp8
@@ -32,19 +33,18 @@ log = logging.getLogger(__name__)
 
 
 def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPolicy, device: torch.device,
-               family: ModelFamily = SDFamily(), sdxl: SDXLConfig | None = None) -> SDModel:
-    """Load, freeze and cast the model of ``family``; set the tokenizer, attention backend and gradient
-    checkpointing."""
+               family: ModelFamily = SDFamily(), section: Any = None) -> SDModel:
+    """Load, freeze and cast the model of ``family`` (``section``: its own flag section, ``TrainConfig.
+    family_section``); set the tokenizer, attention backend and gradient checkpointing."""
     if family.name == "sdxl" and cfg.clip_skip is not None:
         log.warning("--clip_skip %s has no effect on SDXL: both text encoders give their penultimate layer "
                     "(sd-scripts warns the same)", cfg.clip_skip)
-    model = family.load(cfg, sdxl or SDXLConfig(), policy.frozen_dtype,
-                        file_device=str(device) if cfg.lowram else "cpu")
+    model = family.load(cfg, section, policy.frozen_dtype, file_device=str(device) if cfg.lowram else "cpu")
     if cfg.lowram:
         log.info(_lowram_note(cfg.pretrained_model_name_or_path, device))
-    if cfg.tokenizer_cache_dir and family.name == "sdxl":
-        log.info("--tokenizer_cache_dir: SDXL uses the bundled tokenizers (the same vocabulary as upstream's two); "
-                 "the folder is not read")
+    if cfg.tokenizer_cache_dir and family.name != "sd":
+        log.info("--tokenizer_cache_dir: %s uses the bundled tokenizers (the same vocabularies as upstream's); the "
+                 "folder is not read", family.name.upper())
     elif cfg.tokenizer_cache_dir:
         model.tokenizer, how = load_cached_tokenizer(cfg.tokenizer_cache_dir, cfg.v2)
         log.info("--tokenizer_cache_dir: %s", how)
@@ -56,11 +56,15 @@ def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPo
     for text_encoder in text_encoders:
         text_encoder.to(device, policy.frozen_dtype)
     model.vae.to(device, policy.vae_dtype)
-    set_attention(model, precision, device)
+    if family.diffusers_denoiser:
+        set_attention(model, precision, device)
     if precision.gradient_checkpointing:
         # diffusers and transformers only checkpoint modules in training mode (sd-scripts sets train() too).
-        model.unet.enable_gradient_checkpointing(offloaded_checkpoint if precision.cpu_offload_checkpointing
-                                                 else None)
+        if family.diffusers_denoiser:
+            model.unet.enable_gradient_checkpointing(offloaded_checkpoint if precision.cpu_offload_checkpointing
+                                                     else None)
+        else:
+            model.unet.enable_gradient_checkpointing(cpu_offload=precision.cpu_offload_checkpointing)
         model.unet.train()
         for text_encoder in text_encoders:
             text_encoder.gradient_checkpointing_enable()
@@ -187,7 +191,7 @@ def module_id(*modules: torch.nn.Module) -> str:
 
 
 def cache_text_encoder_outputs(data, model, family: ModelFamily, policy: PrecisionPolicy, device: torch.device,
-                               sdxl: SDXLConfig, max_token_length: int | None, batch_size: int,
+                               to_disk: bool, max_token_length: int | None, batch_size: int,
                                weighted: bool = False, share: Callable[[int], bool] | None = None,
                                wait: Callable[[], None] = lambda: None) -> None:
     """``--cache_text_encoder_outputs``: encode every caption once with the frozen text encoders (in RAM, or in
@@ -211,7 +215,6 @@ def cache_text_encoder_outputs(data, model, family: ModelFamily, policy: Precisi
                             "or no, or check the text encoders' weights")
         return outputs
 
-    to_disk = sdxl.cache_text_encoder_outputs_to_disk
     names = ArrayNames(family.cache_names, output_shapes(encode, device) if to_disk else None)
     data.cache_text_encoder_outputs(encode, to_disk=to_disk, encoder_id=module_id(*text_encoders),
                                     max_token_length=max_token_length, names=names, batch_size=batch_size,
@@ -252,7 +255,10 @@ def mark_bucket_dims(module: torch.nn.Module, args: tuple, kwargs: dict) -> None
     """Forward pre-hook of the compiled UNet (runs outside dynamo): mark the height and width of the noisy latents,
     ``[B, C, H, W]``, dynamic, so that a new bucket shape reuses the graph. ``maybe_mark_dynamic``: should the UNet
     ever need a fixed size there, dynamo specializes it (and recompiles) instead of raising."""
-    sample = args[0] if args else kwargs["sample"]
+    sample = args[0] if args else kwargs.get("sample", kwargs.get("img"))
+    if sample.ndim == 3:  # FLUX.1's packed latents [B, tokens, C]: the token count follows the bucket
+        torch._dynamo.maybe_mark_dynamic(sample, 1)
+        return
     torch._dynamo.maybe_mark_dynamic(sample, 2)
     torch._dynamo.maybe_mark_dynamic(sample, 3)
 

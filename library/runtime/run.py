@@ -249,7 +249,8 @@ def _models(cfg: TrainConfig, ready: Prepared, processes: process_group.Processe
     """Load the model, apply the precision policy, attach the network and cache what can be cached."""
     device, family, data = processes.device, ready.family, ready.data
     policy = precision_policy(cfg.precision)
-    model = model_setup.load_model(cfg.model, cfg.precision, policy, device, family=family, sdxl=cfg.sdxl)
+    section = cfg.family_section()
+    model = model_setup.load_model(cfg.model, cfg.precision, policy, device, family=family, section=section)
     network_setup.merge_base_weights(cfg.model, cfg.network.network_module, model, policy, family=family)
     model_setup.store_frozen_fp8(model, policy, family=family)
     if cfg.noise.zero_terminal_snr:
@@ -261,9 +262,10 @@ def _models(cfg: TrainConfig, ready: Prepared, processes: process_group.Processe
     if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
         model_setup.cache_latents(data, model, policy, device, cfg.data, highvram=cfg.model.highvram,
                                   share=processes.owns_item, wait=processes.sync)
-    if cfg.sdxl.cache_text_encoder_outputs or cfg.sdxl.cache_text_encoder_outputs_to_disk:
+    if section is not None and section.caches_text_encoder_outputs:
         model_setup.cache_text_encoder_outputs(
-            data, model, family, policy, device, cfg.sdxl, max_token_length=cfg.model.max_token_length,
+            data, model, family, policy, device, section.cache_text_encoder_outputs_to_disk,
+            max_token_length=cfg.model.max_token_length,
             batch_size=cfg.data.train_batch_size, weighted=cfg.model.weighted_captions, share=processes.owns_item,
             wait=processes.sync)
     return Models(device=device, policy=policy, model=model, network=network, train_text_encoder=train_te)
@@ -318,13 +320,13 @@ def _trainer(cfg: TrainConfig, ready: Prepared, models: Models, optimization: Op
     """The loop's components: the loss of a batch, saving, sampling, validation and logs."""
     family, model, network, data = ready.family, models.model, models.network, ready.data
     meta = training_metadata(
-        cfg, ready.plan, family.model_ids(cfg.model.v2, cfg.model.v_parameterization), seed=ready.seed,
+        cfg, ready.plan, family.model_ids(cfg.model.v2, cfg.model.v_parameterization, model), seed=ready.seed,
         thumbnail=ready.thumbnail, dataset_meta=data.metadata(), network_meta=network_setup.network_meta(cfg.network),
         optimizer_name=optimizer_description(optimization.optimizer, ready.choice.options),
         stochastic_rounding=optimizer_setup.rounds_stochastically(ready.choice, models.policy),
         num_train_images=data.num_train_images, num_reg_images=data.num_reg_images,
         resolution=cfg.data.resolution or data.resolution, started=time.time(),
-        text_encoder_lr=network_setup.text_encoder_lr(network, cfg.optimizer))
+        text_encoder_lr=network_setup.text_encoder_lr(network, cfg.optimizer), family_meta=family.metadata(cfg))
     saver = Saver(Path(cfg.save.output_dir), cfg.save.save_model_as, save_dtype(cfg.save))
     processes.checkpoint = lambda: saver.last_lora  # named if a process is lost
     tracker = Tracker(cfg.log if processes.is_main else LogConfig(), public_snapshot(cfg))
@@ -333,7 +335,7 @@ def _trainer(cfg: TrainConfig, ready: Prepared, models: Models, optimization: Op
         generator=optimization.noise_generator, clip_skip=cfg.model.clip_skip,
         max_token_length=cfg.model.max_token_length, train_text_encoder=models.train_text_encoder,
         weighted_captions=cfg.model.weighted_captions, family=family, readout=optimization.updater.readout,
-        host_generator=optimization.host_generator)
+        host_generator=optimization.host_generator, objective=family.objective(model, cfg, models.device))
     model_setup.compile_unet(model, cfg.precision)
     samples = make_sample_hooks(
         ready.samples if processes.is_main else None, model=model, network=network, policy=models.policy,

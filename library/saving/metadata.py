@@ -223,7 +223,8 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, ids: ModelIds, *, seed: 
                       dataset_meta: dict[str, str],
                       network_meta: dict[str, str], optimizer_name: str, stochastic_rounding: bool,
                       num_train_images: int, num_reg_images: int, resolution: tuple[int, int],
-                      started: float, text_encoder_lr: float | list[float] | None = None) -> Metadata:
+                      started: float, text_encoder_lr: float | list[float] | None = None,
+                      family_meta: dict[str, str] | None = None) -> Metadata:
     """Everything sd-scripts writes at the start of training (``ss_steps``/``ss_epoch`` come at save time).
 
     ``ids`` are the model family's names of the base model (``ModelFamily.model_ids``). ``seed`` is the run's seed,
@@ -238,6 +239,7 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, ids: ModelIds, *, seed: 
     sd-scripts writes its ``text_encoder_lr``: ``str()`` of a number, of a list for a network given one value per
     text encoder, "None" when no ``--text_encoder_lr`` was given. Left out, it is the first ``--text_encoder_lr``
     value, what sd-scripts hands a network without ``prepare_optimizer_params_with_multiple_te_lrs``.
+    ``family_meta``: the family's own keys (``ModelFamily.metadata``; FLUX.1's flow-matching settings).
     """
     m = cfg.model
     if text_encoder_lr is None and cfg.optimizer.text_encoder_lr:
@@ -249,6 +251,7 @@ def training_metadata(cfg: TrainConfig, plan: StepPlan, ids: ModelIds, *, seed: 
         **_method_entries(cfg, optimizer_name),
         **dataset_meta,
         **network_meta,
+        **(family_meta or {}),
     }
     if "ss_batch_size_per_device" in dataset_meta:
         meta["ss_total_batch_size"] = _s(plan.effective_batch_size)

@@ -48,6 +48,9 @@ class FluxModel:
     clip_tokenizer: CLIPTokenizer
     t5_tokenizer: T5TokenizerFast
     name: str
+    t5_max_length: int | None = None  # --t5xxl_max_token_length (None: 512 for dev, 256 for schnell)
+    apply_t5_attn_mask: bool = False  # --apply_t5_attn_mask
+    guidance_scale: float = 3.5  # --guidance_scale, the training steps' guidance input (dev)
 
     @property
     def is_schnell(self) -> bool:

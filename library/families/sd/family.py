@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from library.config import ModelConfig, SDXLConfig
+from library.config import ModelConfig
 from library.families.base import ModelIds
 from library.train.readout import to_device
 
@@ -25,8 +25,9 @@ class SDFamily:
     caches_text_outputs: bool = False
     bucket_step: int = 64  # sd-scripts' verify_bucket_reso_steps(64) in train_network.py
     latent_suffix: str = "_sd"  # SdSdxlLatentsCachingStrategy.SD_LATENTS_NPZ_SUFFIX
+    diffusers_denoiser: bool = True  # a diffusers UNet (attention processors, its checkpointing call)
 
-    def model_ids(self, v2: bool, v_parameterization: bool) -> ModelIds:
+    def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
         """sd-scripts' names: ``ss_base_model_version`` sd_v1, sd_v2 or sd_v2_v (``get_sai_model_spec``), the
         ModelSpec architecture of SD 1.x, 2.x 512 or 2.x 768-v, implemented by diffusers."""
         if not v2:
@@ -35,13 +36,16 @@ class SDFamily:
             architecture = "stable-diffusion-v2-768-v/lora" if v_parameterization else "stable-diffusion-v2-512/lora"
         return ModelIds(("sd_v2" if v2 else "sd_v1") + ("_v" if v_parameterization else ""), architecture, "diffusers")
 
-    def load(self, cfg: ModelConfig, sdxl: SDXLConfig, dtype: torch.dtype, file_device: str = "cpu") -> Any:
+    def load(self, cfg: ModelConfig, section: Any, dtype: torch.dtype, file_device: str = "cpu") -> Any:
         """The model in fp32 (``dtype``, the frozen weight dtype, is for built-ins that can be made in it; a single
         file is read to ``file_device``, ``--lowram``)."""
         from library.families.sd.loading import load_sd_model
 
         return load_sd_model(cfg.pretrained_model_name_or_path, v2=cfg.v2, v_parameterization=cfg.v_parameterization,
                              vae=cfg.vae, file_device=file_device)
+
+    def metadata(self, cfg: Any) -> dict[str, str]:
+        return {}
 
     def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
         """sd-scripts' DDPM objective on the model's noise scheduler (``library/train/objective.py``)."""

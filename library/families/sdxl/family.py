@@ -27,23 +27,28 @@ class SDXLFamily:
     caches_text_outputs: bool = True
     bucket_step: int = 32  # SdxlNetworkTrainer.assert_extra_args: verify_bucket_reso_steps(32)
     latent_suffix: str = "_sdxl"  # SdSdxlLatentsCachingStrategy.SDXL_LATENTS_NPZ_SUFFIX
+    diffusers_denoiser: bool = True  # a diffusers UNet (attention processors, its checkpointing call)
     cache_names: tuple[str, ...] = ("hidden_state1", "hidden_state2", "pool2")  # upstream's npz keys
 
-    def model_ids(self, v2: bool, v_parameterization: bool) -> ModelIds:
+    def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
         """``ss_base_model_version`` ``sdxl_base_v1-0`` (``sdxl_model_util.MODEL_VERSION_SDXL_BASE_V1_0``, no "_v"
         suffix), ``stable-diffusion-xl-v1-base/lora`` implemented by Stability AI's generative-models, as upstream
         writes it."""
         return ModelIds("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora",
                         "https://github.com/Stability-AI/generative-models")
 
-    def load(self, cfg: ModelConfig, sdxl: SDXLConfig, dtype: torch.dtype, file_device: str = "cpu") -> Any:
+    def load(self, cfg: ModelConfig, section: SDXLConfig | None, dtype: torch.dtype, file_device: str = "cpu") -> Any:
         """SDXL files are read to the CPU (``file_device`` is not used: ``--lowram`` moves the parts afterwards);
-        ``builtin:sdxl-random`` is made in ``dtype``."""
+        ``builtin:sdxl-random`` is made in ``dtype``; ``section``: the run's ``SDXLConfig`` (None: its defaults)."""
         from library.families.sdxl.loading import load_sdxl_model
 
+        sdxl = section or SDXLConfig()
         return load_sdxl_model(cfg.pretrained_model_name_or_path, vae=cfg.vae,
                                disable_mmap=sdxl.disable_mmap_load_safetensors, random_dtype=dtype,
                                v_parameterization=cfg.v_parameterization)
+
+    def metadata(self, cfg: Any) -> dict[str, str]:
+        return {}
 
     def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
         """sd-scripts' DDPM objective on the model's noise scheduler (``library/train/objective.py``)."""

@@ -1,0 +1,136 @@
+"""FLUX.1 as a model family (``flux_train_network.py``): CLIP-L and T5-XXL text encoders, a rectified-flow
+transformer on packed latents, the FLUX.1 AE.
+
+Loading: ``library/families/flux/loading.py`` (BFL single files with ``--clip_l``/``--t5xxl``/``--ae``, diffusers
+folders, ``builtin:tiny-flux`` / ``builtin:flux-random``); text conditioning: ``text_encoding.py``; the objective:
+``objective.py`` (flow matching); sample images: ``sampling.py``. LoRA names are ``networks/lora_flux.py``'s. Names
+in the metadata as upstream's ``flux_train_network.py`` (``ss_base_model_version`` flux1, ModelSpec
+``flux-1-dev/lora`` or ``flux-1-schnell/lora``) and its ``update_metadata`` keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from library.families.base import ModelIds
+from library.families.flux.flow import (
+    FlowConfig,
+    image_ids,
+    model_timesteps,
+    pack_latents,
+    training_guidance,
+    unpack_latents,
+)
+from library.families.flux.text_encoding import FluxCond, encode_prompts
+
+FLUX_IMPLEMENTATION = "https://github.com/black-forest-labs/flux"
+MIXED_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def flow_config(flux, noise) -> FlowConfig:
+    """The flow-matching settings of a run from its ``--timestep_sampling`` ... flags (``FluxConfig``) and the shared
+    ``--ip_noise_gamma`` (``NoiseConfig``)."""
+    return FlowConfig(
+        timestep_sampling=flux.timestep_sampling, sigmoid_scale=flux.sigmoid_scale,
+        discrete_flow_shift=flux.discrete_flow_shift, model_prediction_type=flux.model_prediction_type,
+        weighting_scheme=flux.weighting_scheme, logit_mean=flux.logit_mean, logit_std=flux.logit_std,
+        mode_scale=flux.mode_scale, guidance_scale=flux.guidance_scale, ip_noise_gamma=noise.ip_noise_gamma,
+        ip_noise_gamma_random_strength=noise.ip_noise_gamma_random_strength)
+
+
+@dataclass(frozen=True)
+class FluxFamily:
+    """FLUX.1 dev / schnell (``flux_train_network.py``)."""
+
+    name: str = "flux"
+    caches_text_outputs: bool = True
+    bucket_step: int = 32  # upstream's verify_bucket_reso_steps(32) in flux_train_network.py
+    latent_suffix: str = "_flux"  # FluxLatentsCachingStrategy.FLUX_LATENTS_NPZ_SUFFIX ("_flux.npz")
+    diffusers_denoiser: bool = False  # a diffusers UNet (attention processors, its checkpointing call)
+    cache_names: tuple[str, ...] = ("l_pooled", "t5_out", "txt_ids", "t5_attn_mask")
+
+    def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
+        """``ss_base_model_version`` flux1; ModelSpec ``flux-1-dev/lora`` or ``flux-1-schnell/lora``."""
+        variant = "schnell" if model is not None and model.is_schnell else "dev"
+        return ModelIds("flux1", f"flux-1-{variant}/lora", FLUX_IMPLEMENTATION)
+
+    def metadata(self, cfg: Any) -> dict[str, str]:
+        """The keys upstream's ``FluxNetworkTrainer.update_metadata`` adds."""
+        flux = cfg.flux
+        return {"ss_model_type": flux.model_type, "ss_apply_t5_attn_mask": str(flux.apply_t5_attn_mask),
+                "ss_weighting_scheme": flux.weighting_scheme, "ss_logit_mean": str(flux.logit_mean),
+                "ss_logit_std": str(flux.logit_std), "ss_mode_scale": str(flux.mode_scale),
+                "ss_guidance_scale": str(flux.guidance_scale), "ss_timestep_sampling": flux.timestep_sampling,
+                "ss_sigmoid_scale": str(flux.sigmoid_scale), "ss_model_prediction_type": flux.model_prediction_type,
+                "ss_discrete_flow_shift": str(flux.discrete_flow_shift)}
+
+    def load(self, cfg: Any, section: Any, dtype: torch.dtype, file_device: str = "cpu") -> Any:
+        """The FLUX.1 model (``section``: the run's ``FluxConfig``: the part files and the T5 settings)."""
+        from library.families.flux.loading import load_flux_model
+
+        model = load_flux_model(cfg.pretrained_model_name_or_path, clip_l=section.clip_l, t5xxl=section.t5xxl,
+                                ae=section.ae, device=file_device)
+        model.t5_max_length = section.t5xxl_max_token_length
+        model.apply_t5_attn_mask = section.apply_t5_attn_mask
+        model.guidance_scale = section.guidance_scale
+        return model
+
+    def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
+        """Flow matching (``objective.py``) with the run's flags; the noisy input in upstream's weight dtype (the
+        ``--mixed_precision`` dtype, fp32 without)."""
+        from library.config import NoiseConfig, PrecisionConfig
+        from library.config.flux import FluxConfig
+        from library.families.flux.objective import FlowObjective
+
+        flux, noise, precision = ((cfg.flux, cfg.noise, cfg.precision) if cfg is not None
+                                  else (FluxConfig(), NoiseConfig(), PrecisionConfig()))
+        dtype = MIXED_DTYPES.get(precision.mixed_precision, torch.float32)
+        return FlowObjective.of(flow_config(flux, noise), dtype, device)
+
+    def text_encoders(self, model: Any) -> list[torch.nn.Module]:
+        """CLIP-L then T5-XXL (``lora_te1`` and ``lora_te3``)."""
+        return [model.clip_l, model.t5xxl]
+
+    def network_text_encoder(self, model: Any) -> Any:
+        return [model.clip_l, model.t5xxl]
+
+    def encode(self, model: Any, captions: list[str], device: torch.device, *, clip_skip: int | None,
+               max_token_length: int | None, weighted: bool = False) -> FluxCond:
+        """CLIP-L pooled + T5 states (``--clip_skip``, ``--max_token_length`` and weights do not apply: checked at
+        the start, as upstream warns or refuses)."""
+        return encode_prompts(model, captions, device)
+
+    def to_cache(self, cond: FluxCond) -> dict[str, torch.Tensor]:
+        return {name: t.detach().float().cpu() for name, t in cond.to_cache().items()}
+
+    def from_cache(self, tensors: dict[str, torch.Tensor], device: torch.device) -> FluxCond:
+        return FluxCond.from_cache(tensors, device)
+
+    def predict(self, model: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: FluxCond, batch: dict,
+                dtype: torch.dtype) -> torch.Tensor:
+        """The transformer's prediction for latents ``noisy`` [B, 16, H, W] (``get_noise_pred_and_target``): packed
+        into 2x2 patches with their position ids, timesteps / 1000, the guidance value (dev), T5's mask with
+        ``--apply_t5_attn_mask``; unpacked back to [B, 16, H, W]."""
+        batch_size, _, height, width = noisy.shape
+        packed_h, packed_w = height // 2, width // 2
+        guidance = None if model.is_schnell else training_guidance(batch_size, model.guidance_scale, noisy.device)
+        mask = cond.t5_attn_mask if model.apply_t5_attn_mask else None
+        pred = model.unet(img=pack_latents(noisy), img_ids=image_ids(batch_size, packed_h, packed_w, noisy.device),
+                          txt=cond.t5_out.to(dtype), txt_ids=cond.txt_ids, timesteps=model_timesteps(timesteps),
+                          y=cond.l_pooled.to(dtype), guidance=guidance, txt_attention_mask=mask)
+        return unpack_latents(pred, packed_h, packed_w)
+
+    def sample_pipeline(self, model: Any, unet: torch.nn.Module) -> Any:
+        from library.families.flux.sampling import flux_sample_pipeline
+
+        return flux_sample_pipeline(model, unet)
+
+    def sample_conditioning(self, model: Any, prompt: str, negative: str | None, *, clip_skip: int | None,
+                            max_token_length: int | None, device: torch.device) -> dict[str, Any]:
+        from library.families.flux.sampling import flux_sample_conditioning
+
+        return flux_sample_conditioning(model, prompt, negative, clip_skip=clip_skip,
+                                        max_token_length=max_token_length, device=device)

@@ -1,0 +1,71 @@
+"""FLUX.1's training objective: rectified flow matching, as upstream sd-scripts' ``flux_train_network.py``.
+
+Per batch (``FluxNetworkTrainer.get_noise_pred_and_target`` and ``train_network.NetworkTrainer.process_batch``):
+Gaussian noise like the latents; noise levels and the noisy input ``(1 - sigma) * latents + sigma * noise``
+(``flow_timesteps.sample_noisy_model_input``: ``--timestep_sampling``, ``--ip_noise_gamma``), in the run's weight
+dtype; the prediction through ``predict`` (the family packs, adds ids and guidance, and unpacks); the
+``--model_prediction_type`` and its weighting; the target ``noise - latents``; the elementwise ``--loss_type`` loss
+times that weighting and the loss mask, averaged per image, times the dataset's loss weights, averaged. No
+SNR-based weighting applies (upstream's ``post_process_loss`` for FLUX returns the loss as it is); the Huber
+parameter follows ``--huber_schedule`` constant or exponential over the 1000 training timesteps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from library.config import LossConfig, NoiseConfig
+from library.families.flux.flow import (
+    NUM_TRAIN_TIMESTEPS,
+    FlowConfig,
+    FlowMatchSchedule,
+    apply_model_prediction_type,
+    flow_match_schedule,
+    flow_target,
+)
+from library.families.flux.flow_timesteps import sample_noisy_model_input
+from library.train.loss import elementwise_loss
+from library.train.objective import Predict
+
+
+def flow_huber_c(timesteps: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """``train_util.get_huber_threshold_if_needed`` for a flow-matching run: constant ``huber_c * huber_scale``, or
+    exponential ``exp(-(-ln(huber_c) / 1000) * t) * huber_scale`` (``--huber_schedule snr`` is refused for FLUX)."""
+    steps = timesteps.float()
+    if cfg.huber_schedule == "exponential":
+        return torch.exp(math.log(cfg.huber_c) / NUM_TRAIN_TIMESTEPS * steps) * cfg.huber_scale
+    return torch.full_like(steps, cfg.huber_c * cfg.huber_scale)
+
+
+@dataclass(frozen=True)
+class FlowObjective:
+    """The flow-matching loss of a batch; ``dtype`` is upstream's ``weight_dtype`` (the noisy input's)."""
+
+    flow: FlowConfig
+    schedule: FlowMatchSchedule
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, flow: FlowConfig, dtype: torch.dtype, device: torch.device) -> FlowObjective:
+        return cls(flow, flow_match_schedule(flow.discrete_flow_shift, device=device), dtype)
+
+    def loss(self, latents: torch.Tensor, predict: Predict, weights: torch.Tensor, mask: torch.Tensor | None, *,
+             noise: NoiseConfig, loss: LossConfig, generator: torch.Generator,
+             host_generator: torch.Generator | None) -> torch.Tensor:
+        drawn = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
+        noisy, timesteps, sigmas = sample_noisy_model_input(self.flow, latents, drawn, generator, self.dtype,
+                                                            self.schedule)
+        pred, weighting = apply_model_prediction_type(self.flow, predict(noisy, timesteps), noisy, sigmas)
+        c = flow_huber_c(timesteps, loss) if loss.loss_type in ("huber", "smooth_l1") else None
+        per_element = elementwise_loss(pred.float(), flow_target(drawn, latents).float(), loss.loss_type, c)
+        if weighting is not None:
+            per_element = per_element * weighting
+        if mask is not None:
+            mask = mask.float() if mask.ndim == 4 else mask.float().unsqueeze(1)
+            per_element = per_element * F.interpolate(mask, size=per_element.shape[2:], mode="area")
+        per_image = per_element.mean(dim=list(range(1, per_element.ndim)))
+        return (per_image * weights.to(device=per_image.device, dtype=torch.float32)).mean()

@@ -1,0 +1,173 @@
+"""FLUX.1 sample images: the denoising loop, the text inputs and a pipeline object for ``library/sampling/images.py``,
+as sd-scripts 48d368fa ``library/flux_train_utils.py`` ``sample_image_inference`` and ``denoise`` draw them.
+
+* Text (``sample_image_inference.encode_prompt``): CLIP-L's pooled output, T5-XXL's states and their ids from
+  ``text_encoding.encode_prompts`` (T5 padded to ``--t5xxl_max_token_length``: 512 for dev, 256 for schnell); the
+  T5 attention mask reaches the transformer only with ``--apply_t5_attn_mask``. ``--clip_skip`` and
+  ``--max_token_length`` do not apply to FLUX (upstream ignores them).
+* Noise: ``[1, (h/16)·(w/16), 64]`` packed latents in the AE's dtype, drawn from the caller's generator (upstream:
+  ``torch.Generator(device).manual_seed(seed)``, the global RNG without a seed).
+* Schedule: ``get_schedule(steps, seq_len, shift=True)`` for dev and schnell alike (upstream shifts both).
+* ``denoise``: one Euler step per schedule interval with the guidance embedding (``--g``, ignored by schnell); with
+  a CFG scale other than 1 and a negative prompt, the negative and positive inputs go through the transformer as one
+  batch of two and are combined with ``cfg_combine`` (true CFG), so each step is one transformer call either way.
+  No host sync inside the loop: the schedule is a list of Python floats.
+* The result: unpacked latents in the transformer's (scaled and shifted) space; ``sampling_image.py`` decodes them.
+
+FLUX has one sampler (upstream ignores ``--sample_sampler`` / ``--ss`` for FLUX): the pipeline's ``scheduler``
+attribute, which ``images.py`` sets, is accepted and not read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from library.families.flux.flow import image_ids, unpack_latents
+from library.families.flux.flow_sampling import (
+    LATENT_CHANNELS,
+    cfg_combine,
+    euler_step,
+    get_schedule,
+    guidance_vector,
+    sample_geometry,
+    timestep_vector,
+)
+
+DEFAULT_SIZE = 512  # sample_image_inference: width / height
+DEFAULT_STEPS = 20  # sample_image_inference: sample_steps, for dev and schnell
+DEFAULT_GUIDANCE = 3.5  # sample_image_inference: guidance_scale (--g), the embedded guidance of dev
+DEFAULT_CFG_SCALE = 1.0  # sample_image_inference: scale (--l); 1.0 turns true CFG and the negative prompt off
+
+
+@dataclass(frozen=True)
+class SampleText:
+    """One prompt's transformer inputs: ``l_pooled`` [1, 768] (``y``), ``t5_out`` [1, L, 4096] (``txt``),
+    ``txt_ids`` [1, L, 3] and the T5 attention mask [1, L] (None unless ``--apply_t5_attn_mask``)."""
+
+    l_pooled: torch.Tensor
+    t5_out: torch.Tensor
+    txt_ids: torch.Tensor
+    t5_attn_mask: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class NegativeText:
+    """``denoise``'s ``neg_cond``: the CFG scale and the negative prompt's inputs (its ``txt_ids`` are not used:
+    upstream repeats the positive prompt's, zeros of the same length)."""
+
+    cfg_scale: float
+    text: SampleText
+
+
+def _cfg_inputs(img_ids: torch.Tensor, text: SampleText, negative: NegativeText) -> dict[str, Any]:
+    """The batch-of-two inputs of a CFG step that do not change from step to step: negative first, as upstream."""
+    mask = None
+    if text.t5_attn_mask is not None:
+        mask = torch.cat([negative.text.t5_attn_mask, text.t5_attn_mask], dim=0)
+    return {"img_ids": torch.cat([img_ids, img_ids], dim=0), "txt": torch.cat([negative.text.t5_out, text.t5_out]),
+            "txt_ids": torch.cat([text.txt_ids, text.txt_ids], dim=0),
+            "y": torch.cat([negative.text.l_pooled, text.l_pooled], dim=0), "txt_attention_mask": mask}
+
+
+def denoise(transformer: torch.nn.Module, img: torch.Tensor, img_ids: torch.Tensor, text: SampleText,
+            timesteps: list[float], guidance: float, negative: NegativeText | None = None) -> torch.Tensor:
+    """``flux_train_utils.denoise``: integrate the velocity from ``timesteps[0]`` to ``timesteps[-1]`` with Euler
+    steps, ``img + (t_prev - t_curr) * pred``; with ``negative`` each prediction is
+    ``neg + (pos - neg) * cfg_scale`` from one batch-of-two call. Packed latents in and out."""
+    batch = img.shape[0]
+    guidance_vec = guidance_vector(batch, guidance, img.device, img.dtype)
+    if negative is None:
+        fixed = {"img_ids": img_ids, "txt": text.t5_out, "txt_ids": text.txt_ids, "y": text.l_pooled,
+                 "txt_attention_mask": text.t5_attn_mask, "guidance": guidance_vec}
+    else:
+        fixed = {**_cfg_inputs(img_ids, text, negative), "guidance": guidance_vec.repeat(2)}
+    for t_curr, t_prev in zip(timesteps[:-1], timesteps[1:], strict=True):
+        t_vec = timestep_vector(batch, t_curr, img.device, img.dtype)
+        if negative is None:
+            pred = transformer(img=img, timesteps=t_vec, **fixed)
+        else:
+            both = transformer(img=torch.cat([img, img], dim=0), timesteps=t_vec.repeat(2), **fixed)
+            neg_pred, pos_pred = torch.chunk(both, 2, dim=0)
+            pred = cfg_combine(neg_pred, pos_pred, negative.cfg_scale)
+        img = euler_step(img, pred, t_curr, t_prev)
+    return img
+
+
+def flux_sample_conditioning(model: Any, prompt: str, negative: str | None, *, clip_skip: int | None = None,
+                             max_token_length: int | None = None, device: torch.device) -> dict[str, Any]:
+    """The pipeline's text inputs for one sample prompt (``ModelFamily.sample_conditioning``): ``l_pooled``,
+    ``t5_out``, ``txt_ids``, ``t5_attn_mask`` and, with ``negative`` (None: no CFG), ``negative_l_pooled``,
+    ``negative_t5_out``, ``negative_t5_attn_mask`` (upstream reuses the prompt's ``txt_ids``). Each prompt is encoded
+    on its own, as upstream; ``clip_skip`` and ``max_token_length`` do not apply to FLUX."""
+    from library.families.flux.text_encoding import encode_prompts
+
+    masked = getattr(model, "apply_t5_attn_mask", False)
+    out: dict[str, Any] = {}
+    for prefix, text in (("", prompt), ("negative_", negative)):
+        if text is None:
+            continue
+        cond = encode_prompts(model, [text], device)
+        out |= {f"{prefix}l_pooled": cond.l_pooled, f"{prefix}t5_out": cond.t5_out,
+                f"{prefix}t5_attn_mask": cond.t5_attn_mask if masked else None}
+        if not prefix:
+            out["txt_ids"] = cond.txt_ids
+    return out
+
+
+@dataclass
+class FluxPipelineOutput:
+    """What the pipeline returns: ``images`` are the latents [1, 16, h/8, w/8] (``output_type="latent"``, the only
+    output type, as ``images.py`` asks for)."""
+
+    images: torch.Tensor
+
+
+class FluxSamplePipeline:
+    """Draws one FLUX sample's latents with the call interface ``library/sampling/images.py`` uses for diffusers'
+    pipelines (``ModelFamily.sample_pipeline``): ``pipe(**flux_sample_conditioning(...), height=, width=,
+    num_inference_steps=, guidance_scale=, generator=, output_type="latent").images``. ``guidance_scale`` is the
+    true-CFG scale (``--l``), ``embedded_guidance_scale`` the guidance embedding (``--g``)."""
+
+    def __init__(self, model: Any, transformer: torch.nn.Module) -> None:
+        self.model = model
+        self.transformer = transformer
+        self.scheduler: Any = None
+        self.progress_bar_config: dict[str, Any] = {}
+
+    def set_progress_bar_config(self, **config: Any) -> None:
+        """Accepted for the diffusers interface; the loop draws no progress bar."""
+        self.progress_bar_config = dict(config)
+
+    def __call__(self, *, l_pooled: torch.Tensor, t5_out: torch.Tensor, txt_ids: torch.Tensor,
+                 t5_attn_mask: torch.Tensor | None = None, negative_l_pooled: torch.Tensor | None = None,
+                 negative_t5_out: torch.Tensor | None = None, negative_t5_attn_mask: torch.Tensor | None = None,
+                 height: int = DEFAULT_SIZE, width: int = DEFAULT_SIZE, num_inference_steps: int = DEFAULT_STEPS,
+                 guidance_scale: float = DEFAULT_CFG_SCALE, embedded_guidance_scale: float = DEFAULT_GUIDANCE,
+                 generator: torch.Generator | None = None, output_type: str = "latent") -> FluxPipelineOutput:
+        """``sample_image_inference`` from the noise to the unpacked latents; sizes rounded down to a multiple of
+        16 (at least 64). True CFG runs when negative inputs are given and ``guidance_scale`` is not 1."""
+        if output_type != "latent":
+            raise ValueError(f"output_type {output_type!r}: the FLUX sample pipeline returns latents only; decode "
+                             "them with library.families.flux.sampling_image.latents_to_pil")
+        device = t5_out.device
+        dtype = self.model.vae.dtype  # upstream's weight_dtype = ae.dtype
+        geometry = sample_geometry(width, height)
+        noise = torch.randn(1, geometry.seq_len, LATENT_CHANNELS * 4, device=device, dtype=dtype,
+                            generator=generator)
+        ids = image_ids(1, geometry.packed_h, geometry.packed_w, device=device, dtype=dtype)
+        text = SampleText(l_pooled, t5_out, txt_ids, t5_attn_mask)
+        negative = None
+        if negative_t5_out is not None and guidance_scale != 1.0:
+            negative = NegativeText(guidance_scale, SampleText(negative_l_pooled, negative_t5_out, txt_ids,
+                                                               negative_t5_attn_mask))
+        timesteps = get_schedule(num_inference_steps, geometry.seq_len, shift=True)
+        packed = denoise(self.transformer, noise, ids, text, timesteps, embedded_guidance_scale, negative)
+        return FluxPipelineOutput(images=unpack_latents(packed, geometry.packed_h, geometry.packed_w))
+
+
+def flux_sample_pipeline(model: Any, unet: torch.nn.Module) -> FluxSamplePipeline:
+    """``ModelFamily.sample_pipeline`` for FLUX: the pipeline over ``unet`` (the uncompiled transformer)."""
+    return FluxSamplePipeline(model, unet)
