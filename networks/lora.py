@@ -93,8 +93,9 @@ class LoRANetwork(nn.Module):
             self.unet_loras = self._create(iter_targets(unet, LORA_PREFIX_UNET, unet_classes, rename=rename), True)
         for lora in self.text_encoder_loras + self.unet_loras:
             self.add_module(lora.lora_name, lora)
-        logger.info("LoRA: %d text encoder modules, %d U-Net modules", len(self.text_encoder_loras),
-                    len(self.unet_loras))
+        if text_encoder is not None or unet is not None:  # a subclass given neither targets its own modules
+            logger.info("LoRA: %d text encoder modules, %d U-Net modules", len(self.text_encoder_loras),
+                        len(self.unet_loras))
 
     def _dim_alpha(self, name: str, layer: nn.Module, is_unet: bool) -> tuple[int, Any]:
         is_3x3 = isinstance(layer, nn.Conv2d) and layer.kernel_size != (1, 1)

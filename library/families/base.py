@@ -37,6 +37,7 @@ class ModelFamily(Protocol):
     bucket_step: int  # the bucket resolution step sd-scripts verifies for the family
     latent_suffix: str  # the latent cache file suffix (``_sd``, ``_sdxl``, ``_flux``), as sd-scripts keeps them apart
     diffusers_denoiser: bool  # the denoiser is a diffusers UNet (attention processors, its checkpointing call)
+    samples_itself: bool  # sample images come from ``sample_image`` instead of ``sample_pipeline``
 
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
         """The base model's names in the LoRA metadata (``model``: the loaded bundle, where its kind decides)."""
@@ -67,7 +68,8 @@ class ModelFamily(Protocol):
         """The U-Net's prediction, with the family's extra inputs taken from the batch."""
 
     def sample_pipeline(self, model: Any, unet: torch.nn.Module) -> Any:
-        """The diffusers pipeline that draws sample images."""
+        """The diffusers pipeline that draws sample images (families with ``samples_itself`` give
+        ``sample_image(model, unet, prompt, generator, device) -> PIL image`` instead)."""
 
     def sample_conditioning(self, model: Any, prompt: str, negative: str | None, *, clip_skip: int | None,
                             max_token_length: int | None, device: torch.device) -> dict[str, Any]:

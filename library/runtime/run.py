@@ -198,7 +198,8 @@ def _prepare(cfg: TrainConfig, processes: process_group.Processes) -> Prepared |
     process_group.check_supported(processes.info, fused_backward_pass=cfg.optimizer.fused_backward_pass)
     for line in process_group.describe_options(cfg.distributed, processes.info):
         log.info(line)
-    samples = plan_samples(cfg.sample)
+    family = model_family(cfg.family)
+    samples = plan_samples(cfg.sample, warn_ignored=not family.samples_itself)
     check_sample_folder(samples, cfg.save.output_dir)
     choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
     check_dynamo_backend(cfg.precision)  # --torch_compile with a backend this torch lacks
@@ -211,7 +212,6 @@ def _prepare(cfg: TrainConfig, processes: process_group.Processes) -> Prepared |
         seed = stored_seed
         log.info("--resume without --seed: using the seed of the run that saved the state, %d", seed)
     seed = processes.decide_seed(seed)
-    family = model_family(cfg.family)
     data = build_train_data(cfg.data, seed=seed, max_token_length=cfg.model.max_token_length,
                             masked_loss=cfg.loss.masked_loss, v2=cfg.model.v2, bucket_step=family.bucket_step,
                             latent_suffix=family.latent_suffix)

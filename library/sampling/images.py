@@ -131,7 +131,12 @@ class SampleImages:
                 torch.cuda.empty_cache()
 
     def draw(self, prompt: SamplePrompt, generator: torch.Generator):
-        """One image of ``prompt``; all its noise comes from ``generator``. Call inside ``_inference()``."""
+        """One image of ``prompt``; all its noise comes from ``generator``. Call inside ``_inference()``. A family
+        with a sampler of its own (``samples_itself``: FLUX.1) draws it; the others through a diffusers pipeline."""
+        if self.family.samples_itself:
+            unet = getattr(self.model.unet, "_orig_mod", self.model.unet)
+            with self.policy.autocast(self.device):
+                return self.family.sample_image(self.model, unet, prompt, generator, self.device)
         pipe = self._pipeline()
         pipe.scheduler = build_scheduler(prompt.sampler or self.plan.sampler,
                                          v_parameterization=self.model.v_parameterization)
@@ -160,9 +165,10 @@ class SampleImages:
                 name = sample_file_name(self.output_name, epoch, pos.step, prompt.index, prompt.seed, time.time())
                 write_file_atomic(self.folder / name, lambda f, image=image: image.save(f, format="PNG"))
                 logged[f"sample_{prompt.index}"] = (image, prompt.prompt)
-                log.info("sample %02d: %dx%d, %d steps, %s, CFG %g, seed %d%s: %s", prompt.index, *image.size,
-                         prompt.steps, prompt.sampler or self.plan.sampler, prompt.scale, generator.initial_seed(),
-                         "" if prompt.seed is not None else " (random)", prompt.prompt)
+                how = ("" if self.family.samples_itself else
+                       f", {prompt.steps} steps, {prompt.sampler or self.plan.sampler}, CFG {prompt.scale:g}")
+                log.info("sample %02d: %dx%d%s, seed %d%s: %s", prompt.index, *image.size, how,
+                         generator.initial_seed(), "" if prompt.seed is not None else " (random)", prompt.prompt)
         self.tracker.log_images(logged, pos.step)
         seconds = time.perf_counter() - began
         log.info("sample images at %s: %d in %.1f s (%.2f s/image), %s", where, len(logged), seconds,

@@ -8,12 +8,15 @@ The file forms are sd-scripts' (``library/train_util.py``: ``load_prompts``, ``l
   ``--n`` negative prompt, ``--w`` / ``--h`` width / height in pixels (default 512; rounded down to a multiple
   of 8, at least 64), ``--d`` seed (default: a fresh random seed each time), ``--l`` CFG scale (default 7.5; 1 or
   less turns guidance and the negative prompt off), ``--s`` steps (default 30, clamped to 1…1000), ``--ss``
-  sampler (default ``--sample_sampler``). Option names are case-insensitive. ``--g``, ``--cn``, ``--ctr``,
-  ``--rcfg`` and ``--fs`` belong to sd-scripts' FLUX.1 / SD3 / Lumina / ControlNet samplers; SD 1.x/2.x samples
-  ignore them (sd-scripts' ``train_network.py`` does too), and a warning says so.
+  sampler (default ``--sample_sampler``). Option names are case-insensitive. ``--g`` (the embedded guidance of
+  FLUX.1-dev, sd-scripts' ``guidance_scale``) is kept for FLUX.1 samples (``library/families/flux/sampling*.py``,
+  which also read ``--s`` and ``--l`` with upstream FLUX's defaults 20 and 1.0 when the file leaves them out:
+  ``SamplePrompt.options``). ``--g``, ``--cn``, ``--ctr``, ``--rcfg`` and ``--fs`` belong to sd-scripts' FLUX.1 /
+  SD3 / Lumina / ControlNet samplers; SD 1.x/2.x and SDXL samples ignore them (sd-scripts' ``train_network.py``
+  does too), and a warning says so.
 * ``.toml``: a ``[prompt]`` table of defaults and a ``[[prompt.subset]]`` list, one table per image, with the keys
   ``prompt``, ``negative_prompt``, ``width``, ``height``, ``seed``, ``sample_steps``, ``scale``,
-  ``sample_sampler`` (and the ignored ``guidance_scale``, ``controlnet_image``, ``cfg_trunc_ratio``,
+  ``sample_sampler``, ``guidance_scale`` (FLUX.1 only) (and the ignored ``controlnet_image``, ``cfg_trunc_ratio``,
   ``renorm_cfg``, ``flow_shift``). A subset's key overrides the default (sd-scripts fails on such a repeat).
 * ``.json``: a list whose items are such tables or ``.txt``-style lines.
 
@@ -64,7 +67,9 @@ _MAX_DIGITS = 30  # longer digit strings are out of every range (and int() refus
 @dataclass(frozen=True)
 class SamplePrompt:
     """One sample image: the ``index`` (0-based, in file order) names its file; sizes as written in the file;
-    ``where`` is its line or table in the prompt file."""
+    ``where`` is its line or table in the prompt file. ``guidance_scale`` (``--g``) and ``options`` (the table keys
+    the file set, e.g. ``"sample_steps"``, ``"scale"``) are read by FLUX.1 samples only, whose defaults differ from
+    this class's; they take no part in comparisons."""
 
     index: int
     prompt: str
@@ -76,6 +81,8 @@ class SamplePrompt:
     scale: float = DEFAULT_SCALE
     sampler: str | None = None
     where: str = field(default="", compare=False)
+    guidance_scale: float | None = field(default=None, compare=False)
+    options: frozenset[str] = field(default=frozenset(), compare=False)
 
     def image_size(self) -> tuple[int, int]:
         """(width, height) drawn: rounded down to a multiple of 8, at least 64 (sd-scripts)."""
@@ -103,7 +110,7 @@ _LINE_OPTIONS = {
     "s": ("sample_steps", "steps"),
     "l": ("scale", "scale"),
     "ss": ("sample_sampler", "sampler"),
-    "g": ("guidance_scale", "ignored_number"),
+    "g": ("guidance_scale", "guidance"),
     "cn": ("controlnet_image", "ignored_text"),
     "ctr": ("cfg_trunc_ratio", "ignored_number"),
     "rcfg": ("renorm_cfg", "ignored_number"),
@@ -173,7 +180,7 @@ def _convert(kind: str, value: Any, label: str, where: str, problems: _Problems)
         return value
     if kind in ("size", "seed", "steps"):
         return _whole_number(kind, value, label, where, problems)
-    if kind in ("scale", "ignored_number"):
+    if kind in ("scale", "guidance", "ignored_number"):
         try:
             number = float(value) if not isinstance(value, bool) else math.nan
         except (TypeError, ValueError):
@@ -202,12 +209,12 @@ def _prompt_from_table(index: int, table: dict[str, Any], where: str, problems: 
         kind = _KEY_KINDS.get(key)
         if kind is None:
             problems.error(where, f'unknown key "{key}"{did_you_mean(key, _KEY_KINDS)}; sample prompt keys: '
-                           f"{', '.join(k for k in _KEY_KINDS if k not in _IGNORED_BY)}")
+                           f"{', '.join(k for k, v in _KEY_KINDS.items() if not v.startswith('ignored'))}")
             continue
         value = _convert(kind, raw, label_of(key), where, problems)
-        if kind.startswith("ignored"):
+        if kind.startswith("ignored") or kind == "guidance":
             problems.ignored.setdefault(key, []).append(where)
-        elif value is not None:
+        if not kind.startswith("ignored") and value is not None:
             values[key] = value
     for key in ("prompt", "negative_prompt"):
         if isinstance(values.get(key), str):
@@ -221,7 +228,8 @@ def _prompt_from_table(index: int, table: dict[str, Any], where: str, problems: 
     return SamplePrompt(index=index, prompt=values.get("prompt", ""), negative_prompt=values.get("negative_prompt"),
                         width=values.get("width", DEFAULT_SIZE), height=values.get("height", DEFAULT_SIZE),
                         seed=values.get("seed"), steps=values.get("sample_steps", DEFAULT_STEPS),
-                        scale=values.get("scale", DEFAULT_SCALE), sampler=values.get("sample_sampler"), where=where)
+                        scale=values.get("scale", DEFAULT_SCALE), sampler=values.get("sample_sampler"), where=where,
+                        guidance_scale=values.get("guidance_scale"), options=frozenset(values))
 
 
 def parse_prompt_line(index: int, line: str, where: str, problems: _Problems) -> SamplePrompt | None:
@@ -293,15 +301,16 @@ def _read(path: Path, problems: _Problems) -> list[SamplePrompt | None]:
     return prompts
 
 
-def load_prompt_file(path: str | Path) -> list[SamplePrompt]:
-    """Every prompt of a ``.txt`` / ``.toml`` / ``.json`` prompt file; all problems at once as a ``UserError``."""
+def load_prompt_file(path: str | Path, warn_ignored: bool = True) -> list[SamplePrompt]:
+    """Every prompt of a ``.txt`` / ``.toml`` / ``.json`` prompt file; all problems at once as a ``UserError``.
+    ``warn_ignored``: warn about the options SD 1.x/2.x and SDXL samples ignore (not for FLUX.1, which reads them)."""
     problems = _Problems(Path(path))
     prompts = _read(problems.path, problems)
     if problems.errors:
         raise UserError(*problems.errors)
-    for key, places in problems.ignored.items():
-        log.warning("%s:%s: --%s (%s) is for sd-scripts' %s samples; SD 1.x/2.x samples ignore it, as "
-                    "sd-scripts' train_network.py does", problems.path, ",".join(places), _OPTION_OF_KEY[key], key,
+    for key, places in problems.ignored.items() if warn_ignored else ():
+        log.warning("%s:%s: --%s (%s) is for sd-scripts' %s samples; SD 1.x/2.x and SDXL samples ignore it, "
+                    "as sd-scripts' train_network.py does", problems.path, ",".join(places), _OPTION_OF_KEY[key], key,
                     _IGNORED_BY[key])
     return [p for p in prompts if p is not None]
 
@@ -324,8 +333,9 @@ def _cadence(name: str, value: int | None) -> int | None:
     return value
 
 
-def plan_samples(cfg: SampleConfig) -> SamplePlan | None:
-    """When and what to sample, or None when no sample image will be drawn; bad prompt files raise ``UserError``."""
+def plan_samples(cfg: SampleConfig, warn_ignored: bool = True) -> SamplePlan | None:
+    """When and what to sample, or None when no sample image will be drawn; bad prompt files raise ``UserError``
+    (``warn_ignored``: ``load_prompt_file``'s)."""
     every_steps = _cadence("--sample_every_n_steps", cfg.sample_every_n_steps)
     every_epochs = _cadence("--sample_every_n_epochs", cfg.sample_every_n_epochs)
     if not (every_steps or every_epochs or cfg.sample_at_first):
@@ -343,7 +353,7 @@ def plan_samples(cfg: SampleConfig) -> SamplePlan | None:
                  every_steps)
         every_steps = None
     path = Path(cfg.sample_prompts)
-    prompts = load_prompt_file(path)
+    prompts = load_prompt_file(path, warn_ignored)
     if not prompts:
         log.warning("--sample_prompts %s has no prompts: no sample images are drawn", path)
         return None

@@ -50,6 +50,7 @@ class FluxFamily:
     bucket_step: int = 32  # upstream's verify_bucket_reso_steps(32) in flux_train_network.py
     latent_suffix: str = "_flux"  # FluxLatentsCachingStrategy.FLUX_LATENTS_NPZ_SUFFIX ("_flux.npz")
     diffusers_denoiser: bool = False  # a diffusers UNet (attention processors, its checkpointing call)
+    samples_itself: bool = True  # draws sample images with ``sample_image`` (no diffusers pipeline)
     cache_names: tuple[str, ...] = ("l_pooled", "t5_out", "txt_ids", "t5_attn_mask")
 
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
@@ -123,14 +124,9 @@ class FluxFamily:
                           y=cond.l_pooled.to(dtype), guidance=guidance, txt_attention_mask=mask)
         return unpack_latents(pred, packed_h, packed_w)
 
-    def sample_pipeline(self, model: Any, unet: torch.nn.Module) -> Any:
-        from library.families.flux.sampling import flux_sample_pipeline
+    def sample_image(self, model: Any, unet: torch.nn.Module, prompt: Any, generator: torch.Generator,
+                     device: torch.device) -> Any:
+        """One sample image as upstream's ``flux_train_utils.sample_image_inference`` (``sampling_image.py``)."""
+        from library.families.flux.sampling_image import flux_sample_image
 
-        return flux_sample_pipeline(model, unet)
-
-    def sample_conditioning(self, model: Any, prompt: str, negative: str | None, *, clip_skip: int | None,
-                            max_token_length: int | None, device: torch.device) -> dict[str, Any]:
-        from library.families.flux.sampling import flux_sample_conditioning
-
-        return flux_sample_conditioning(model, prompt, negative, clip_skip=clip_skip,
-                                        max_token_length=max_token_length, device=device)
+        return flux_sample_image(model, prompt, generator, device, transformer=unet)

@@ -26,6 +26,7 @@ class SDFamily:
     bucket_step: int = 64  # sd-scripts' verify_bucket_reso_steps(64) in train_network.py
     latent_suffix: str = "_sd"  # SdSdxlLatentsCachingStrategy.SD_LATENTS_NPZ_SUFFIX
     diffusers_denoiser: bool = True  # a diffusers UNet (attention processors, its checkpointing call)
+    samples_itself: bool = False  # draws sample images with ``sample_image`` (no diffusers pipeline)
 
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
         """sd-scripts' names: ``ss_base_model_version`` sd_v1, sd_v2 or sd_v2_v (``get_sai_model_spec``), the

@@ -28,6 +28,7 @@ class SDXLFamily:
     bucket_step: int = 32  # SdxlNetworkTrainer.assert_extra_args: verify_bucket_reso_steps(32)
     latent_suffix: str = "_sdxl"  # SdSdxlLatentsCachingStrategy.SDXL_LATENTS_NPZ_SUFFIX
     diffusers_denoiser: bool = True  # a diffusers UNet (attention processors, its checkpointing call)
+    samples_itself: bool = False  # draws sample images with ``sample_image`` (no diffusers pipeline)
     cache_names: tuple[str, ...] = ("hidden_state1", "hidden_state2", "pool2")  # upstream's npz keys
 
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
