@@ -135,7 +135,7 @@ class _Copier:
             for out, into in zip(leaving, arriving, strict=True):
                 slot = out.data
                 out.data = self.host_copy(slot)
-                pass
+                slot.copy_(into.data, non_blocking=self.cuda)
                 into.data = slot
         if not self.cuda:
             return None
