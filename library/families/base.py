@@ -49,6 +49,16 @@ class ModelFamily(Protocol):
         """The model bundle, loaded offline; ``section`` is the family's own flag section (``TrainConfig.
         family_section``: ``SDXLConfig``, ``FluxConfig``; None for SD)."""
 
+    def denoiser_device(self, section: Any, device: torch.device) -> torch.device:
+        """Where the loaded denoiser goes (the training device, unless the family places it itself)."""
+
+    def place_denoiser(self, model: Any, section: Any, device: torch.device) -> None:
+        """After fp8 storage: place what ``denoiser_device`` kept back (FLUX.1's ``--blocks_to_swap``)."""
+
+    def store_fp8(self, part: torch.nn.Module, denoiser: bool, dtype: torch.dtype) -> int:
+        """Store a frozen part's weights in fp8 computed in ``dtype`` (``denoiser``: the UNet or transformer);
+        returns the number of layers converted."""
+
     def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
         """What the loss trains towards (``library/train/objective.py``'s ``Objective``), on ``device``; ``cfg``: the
         run's ``TrainConfig`` (None: the family's defaults)."""

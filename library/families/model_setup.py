@@ -22,7 +22,7 @@ from library.base.errors import UserError
 from library.config import DataConfig, ModelConfig, PrecisionConfig
 from library.data.text_cache import ArrayNames
 from library.families.base import ModelFamily
-from library.families.fp8 import fp8_bytes, store_fp8
+from library.families.fp8 import fp8_bytes
 from library.families.precision import PrecisionPolicy
 from library.families.sd.family import SDFamily
 from library.families.sd.loading import BUILTIN_MODELS
@@ -52,7 +52,7 @@ def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPo
     for part in (model.unet, *text_encoders, model.vae):
         part.requires_grad_(False)
         part.eval()
-    model.unet.to(device, policy.frozen_dtype)
+    model.unet.to(family.denoiser_device(section, device), policy.frozen_dtype)
     for text_encoder in text_encoders:
         text_encoder.to(device, policy.frozen_dtype)
     model.vae.to(device, policy.vae_dtype)
@@ -129,14 +129,15 @@ def offloaded_checkpoint(module: torch.nn.Module, *args):
 
 
 def store_frozen_fp8(model: SDModel, policy: PrecisionPolicy, family: ModelFamily = SDFamily()) -> None:
-    """``--fp8_base`` / ``--fp8_base_unet`` (after ``--base_weights`` are merged, before the LoRA is attached)."""
-    parts = [("UNet", model.unet)] if policy.unet_fp8 else []
+    """``--fp8_base`` / ``--fp8_base_unet`` (after ``--base_weights`` are merged, before the LoRA is attached), each
+    part as its family stores it (``ModelFamily.store_fp8``)."""
+    parts = [("UNet", model.unet, True)] if policy.unet_fp8 else []
     if policy.text_encoder_fp8:
         encoders = family.text_encoders(model)
-        parts += [(f"text encoder {i + 1}" if len(encoders) > 1 else "text encoder", te)
+        parts += [(f"text encoder {i + 1}" if len(encoders) > 1 else "text encoder", te, False)
                   for i, te in enumerate(encoders)]
-    for name, part in parts:
-        layers = store_fp8(part, policy.frozen_dtype)
+    for name, part, denoiser in parts:
+        layers = family.store_fp8(part, denoiser, policy.frozen_dtype)
         stored, total = fp8_bytes(part)
         log.info("%s: %d layers store their weights in float8_e4m3fn (%.0f MiB in fp8, %.0f MiB of parameters "
                  "in all)", name, layers, stored / 2**20, total / 2**20)

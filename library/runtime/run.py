@@ -253,6 +253,7 @@ def _models(cfg: TrainConfig, ready: Prepared, processes: process_group.Processe
     model = model_setup.load_model(cfg.model, cfg.precision, policy, device, family=family, section=section)
     network_setup.merge_base_weights(cfg.model, cfg.network.network_module, model, policy, family=family)
     model_setup.store_frozen_fp8(model, policy, family=family)
+    family.place_denoiser(model, section, device)
     if cfg.noise.zero_terminal_snr:
         apply_zero_terminal_snr(model.noise_scheduler)
     network, train_te = network_setup.build_network(cfg.network, model, policy, device, family=family)

@@ -50,7 +50,7 @@ class BuiltinSpec:
 
 
 def is_builtin_flux(name: str) -> bool:
-    return name == BUILTIN_TINY_FLUX or name == BUILTIN_FLUX_RANDOM or name.startswith(BUILTIN_FLUX_RANDOM + ":")
+    return any(name == base or name.startswith(base + ":") for base in (BUILTIN_TINY_FLUX, BUILTIN_FLUX_RANDOM))
 
 
 def _options(text: str, name: str) -> dict[str, str]:
@@ -73,18 +73,20 @@ def _count(options: dict[str, str], key: str, default: int | None, name: str) ->
 
 
 def parse_builtin(name: str) -> BuiltinSpec:
-    """``builtin:tiny-flux`` or ``builtin:flux-random[:options]`` as a ``BuiltinSpec``; a ``UserError`` otherwise."""
-    if name == BUILTIN_TINY_FLUX:
-        return BuiltinSpec(name, TINY.depth, TINY.depth_single_blocks, None, None, schnell=False)
+    """``builtin:tiny-flux[:options]`` or ``builtin:flux-random[:options]`` as a ``BuiltinSpec`` (options: block
+    counts, text-encoder layers, variant); a ``UserError`` otherwise."""
     if not is_builtin_flux(name):
         raise UserError(f"{name}: not a built-in FLUX model; use {BUILTIN_TINY_FLUX} or {BUILTIN_FLUX_RANDOM}"
                         "[:double=N,single=N,t5_layers=N,clip_layers=N,variant=dev|schnell]")
-    options = _options(name[len(BUILTIN_FLUX_RANDOM) + 1:], name)
+    base = next(b for b in (BUILTIN_TINY_FLUX, BUILTIN_FLUX_RANDOM) if name == b or name.startswith(b + ":"))
+    text, tiny = name[len(base) + 1:], base == BUILTIN_TINY_FLUX
+    options = _options(text, name)
     variant = options.get("variant", "dev")
     if variant not in ("dev", "schnell"):
         raise UserError(f"{name}: variant={variant!r}; use dev or schnell")
+    double, single = (TINY.depth, TINY.depth_single_blocks) if tiny else (2, 4)
     return BuiltinSpec(
-        name, _count(options, "double", 2, name), _count(options, "single", 4, name),
+        base, _count(options, "double", double, name), _count(options, "single", single, name),
         _count(options, "t5_layers", None, name), _count(options, "clip_layers", None, name), variant == "schnell",
     )
 

@@ -10,6 +10,7 @@ in the metadata as upstream's ``flux_train_network.py`` (``ss_base_model_version
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ from library.families.flux.flow import (
     unpack_latents,
 )
 from library.families.flux.text_encoding import FluxCond, encode_prompts
+
+log = logging.getLogger(__name__)
 
 FLUX_IMPLEMENTATION = "https://github.com/black-forest-labs/flux"
 MIXED_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -78,6 +81,34 @@ class FluxFamily:
         model.apply_t5_attn_mask = section.apply_t5_attn_mask
         model.guidance_scale = section.guidance_scale
         return model
+
+    def denoiser_device(self, section: Any, device: torch.device) -> torch.device:
+        """Where the loaded transformer goes: the training device, or the host with ``--blocks_to_swap`` (the
+        swap places all but the swapped blocks' weights on the device, ``place_denoiser``), so that the whole
+        transformer is never on the device at once."""
+        swapping = section is not None and section.swapped_blocks > 0
+        return torch.device("cpu") if swapping else device
+
+    def place_denoiser(self, model: Any, section: Any, device: torch.device) -> None:
+        """``--blocks_to_swap N`` (and ``--split_mode``'s 18): ``swap.py``, after fp8 storage."""
+        if section is not None and section.swapped_blocks > 0:
+            from library.families.flux.swap import enable_block_swap, swap_split
+
+            enable_block_swap(model.unet, section.swapped_blocks, device)
+            double, single = swap_split(section.swapped_blocks)
+            log.info("--blocks_to_swap %d: %d double and %d single blocks keep their weights on the host and visit "
+                     "%s around their use", section.swapped_blocks, double, single, device)
+
+    def store_fp8(self, part: torch.nn.Module, denoiser: bool, dtype: torch.dtype) -> int:
+        """``--fp8_base`` as upstream: the whole transformer (``model.to(float8_e4m3fn)``), CLIP-L but its
+        embeddings, T5's Linear layers with its gated MLPs re-wired (``fp8.py``)."""
+        from library.families.flux.fp8 import store_clip_l_fp8, store_t5_fp8, store_transformer_fp8
+
+        if denoiser:
+            return store_transformer_fp8(part, dtype)
+        if type(part).__name__ == "T5EncoderModel":
+            return store_t5_fp8(part, dtype)
+        return store_clip_l_fp8(part, dtype)
 
     def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
         """Flow matching (``objective.py``) with the run's flags; the noisy input in upstream's weight dtype (the

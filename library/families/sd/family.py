@@ -45,6 +45,19 @@ class SDFamily:
         return load_sd_model(cfg.pretrained_model_name_or_path, v2=cfg.v2, v_parameterization=cfg.v_parameterization,
                              vae=cfg.vae, file_device=file_device)
 
+    def denoiser_device(self, section: Any, device: torch.device) -> torch.device:
+        """Where the loaded UNet goes: the training device."""
+        return device
+
+    def place_denoiser(self, model: Any, section: Any, device: torch.device) -> None:
+        """Nothing more to place: the UNet is on the device."""
+
+    def store_fp8(self, part: torch.nn.Module, denoiser: bool, dtype: torch.dtype) -> int:
+        """``--fp8_base``: the part's Linear and Conv weights in fp8 (``library/families/fp8.py``)."""
+        from library.families.fp8 import store_fp8
+
+        return store_fp8(part, dtype)
+
     def metadata(self, cfg: Any) -> dict[str, str]:
         return {}
 
