@@ -64,8 +64,18 @@ def load_clip_l(path: str | Path, *, dtype: torch.dtype | None = None, device: s
     state, config = _read(path, "clip_l", device, mmap)
     model = _empty(build_clip_l, config)
     wanted = set(model.state_dict())
+    state = {_clip_name(k, wanted): v for k, v in state.items()}
     fill(model, {k: v for k, v in state.items() if k in wanted}, path, "CLIP-L text encoder", dtype)
     return model.to(device)
+
+
+def _clip_name(key: str, wanted: set[str]) -> str:
+    """A CLIP-L file's key as the built model names it: the files (and transformers 4's ``CLIPTextModel``, which
+    upstream loads them into) say ``text_model.*``, transformers 5's ``CLIPTextModel`` has no ``text_model``."""
+    if key in wanted:
+        return key
+    bare = key.removeprefix("text_model.")
+    return bare if bare in wanted else f"text_model.{key}"
 
 
 def load_t5xxl(path: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu",
