@@ -17,8 +17,8 @@ FEATURE = FEATURES[0]
 
 def _overhead(family: str, tmp_path) -> float:
     """Ops per update of the feature's run minus those of its baseline (median of the steady update windows)."""
-    with_it, _, tensors = window_ops(family, tmp_path / "feature", 4, *FEATURE.flags)
-    without, _, _ = window_ops(family, tmp_path / "baseline", 4, *FEATURE.baseline)
+    with_it, _, tensors = window_ops(family, tmp_path / "feature", 3, *FEATURE.flags)
+    without, _, _ = window_ops(family, tmp_path / "baseline", 3, *FEATURE.baseline)
     assert tensors == {"sd": 528, "sdxl": 1972}[family]
     return with_it - without
 

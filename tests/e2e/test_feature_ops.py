@@ -33,7 +33,7 @@ def baselines(tmp_path_factory) -> dict[str, float]:
     """Ops per update of the shared tiny-model run (no feature, one process), per family."""
     ops = {}
     for family in FAMILIES:
-        ops[family], _, tensors = window_ops(family, tmp_path_factory.mktemp(f"{family}-baseline"), 4)
+        ops[family], _, tensors = window_ops(family, tmp_path_factory.mktemp(f"{family}-baseline"), 3)
         assert tensors == TENSORS[family]
     return ops
 
@@ -41,7 +41,7 @@ def baselines(tmp_path_factory) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def scale_weight_norms(baselines, tmp_path_factory) -> dict[str, float]:
     assert SCALE_WEIGHT_NORMS.baseline == ()
-    return {family: window_ops(family, tmp_path_factory.mktemp(f"{family}-swn"), 4, *SCALE_WEIGHT_NORMS.flags)[0]
+    return {family: window_ops(family, tmp_path_factory.mktemp(f"{family}-swn"), 3, *SCALE_WEIGHT_NORMS.flags)[0]
             - baselines[family] for family in FAMILIES}
 
 
@@ -51,7 +51,7 @@ def two_processes(baselines, tmp_path_factory) -> dict[str, list[float]]:
     assert PROCESSES.processes == 2 and PROCESSES.flags == PROCESSES.baseline == ()
     overheads = {}
     for family in FAMILIES:
-        ranks = processes_window_ops(family, tmp_path_factory.mktemp(f"{family}-2"), 4, 2, run=_torchrun)
+        ranks = processes_window_ops(family, tmp_path_factory.mktemp(f"{family}-2"), 3, 2, run=_torchrun)
         assert [tensors for _, _, tensors in ranks] == [TENSORS[family]] * 2
         overheads[family] = [ops - baselines[family] for ops, _, _ in ranks]
     return overheads

@@ -22,8 +22,8 @@ def per_tensor(tmp_path_factory) -> dict[str, tuple[float, float]]:
     results = {}
     for family in ("sd", "sdxl"):
         out = tmp_path_factory.mktemp(family)
-        fused, syncs, tensors = window_ops(family, out / "fused", 4, *FUSED.flags)
-        plain, _, plain_tensors = window_ops(family, out / "plain", 4, *FUSED.baseline)
+        fused, syncs, tensors = window_ops(family, out / "fused", 3, *FUSED.flags)
+        plain, _, plain_tensors = window_ops(family, out / "plain", 3, *FUSED.baseline)
         assert tensors == plain_tensors > 0
         results[family] = ((fused - plain) / tensors, syncs)
     return results
