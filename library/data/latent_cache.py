@@ -1,11 +1,11 @@
 """Latent cache files, compatible with sd-scripts' (``strategy_sd.SdSdxlLatentsCachingStrategy``).
 
 File: ``<image stem>_<W:04d>x<H:04d>_sd.npz`` (SDXL: ``_sdxl.npz``, as sd-scripts keeps the two apart) beside the
-image, W×H the original (upright) image size; uncompressed
-``np.savez`` with ``latents`` (float32 [4, h, w], unscaled VAE sample), ``original_size`` [W, H], ``crop_ltrb``,
-``latents_flipped`` (with flip_aug) and ``alpha_mask`` (float32 [H, W] in [0, 1] at the bucket size, with
-alpha_mask; unflipped). sd-scripts reads these files as its own. A file without ``alpha_mask`` is rebuilt when the
-mask is needed; one with it serves a run without masks too (the key is not read then).
+image, W×H the original (upright) image size; uncompressed ``np.savez`` with ``latents`` (float32 [C, h, w], unscaled
+VAE sample; C is 4, 16 in FLUX.1's ``_flux.npz``), ``original_size`` [W, H], ``crop_ltrb``, ``latents_flipped`` (with
+flip_aug) and ``alpha_mask`` (float32 [H, W] in [0, 1] at the bucket size, with alpha_mask; unflipped). sd-scripts
+reads these files as its own. A file without ``alpha_mask`` is rebuilt when the mask is needed; one with it serves a
+run without masks too (the key is not read then).
 
 Added key ``sdsb_cache_key``: a JSON string with the SHA-1 of the image file, the bucket, the resized size and the
 VAE id. A file whose key differs is rebuilt, so an edited image, a new resolution or another VAE never reuses stale
@@ -35,6 +35,9 @@ from library.data.cache_arrays import array_problem
 
 CACHE_KEY = "sdsb_cache_key"
 LATENT_CHANNELS = 4
+# Latent channels by cache file suffix where not LATENT_CHANNELS: sd-scripts' FluxLatentsCachingStrategy writes the
+# 16-channel latents of FLUX.1's AE into "<stem>_<W>x<H>_flux.npz".
+LATENT_CHANNELS_BY_SUFFIX = {"_flux.npz": 16}
 LATENT_STRIDE = 8
 UNREADABLE = (OSError, ValueError, zipfile.BadZipFile, EOFError)  # np.load of a damaged or hostile file
 
@@ -68,9 +71,16 @@ def exists(path: Path) -> bool:
     return path.is_file()
 
 
-def expected_shapes(bucket: tuple[int, int], flip_aug: bool, alpha_mask: bool) -> dict[str, tuple[int, ...]]:
+def latent_channels(path: str | Path) -> int:
+    """The latent channels a cache file of this name holds (``LATENT_CHANNELS_BY_SUFFIX``)."""
+    name = Path(path).name
+    return next((n for suffix, n in LATENT_CHANNELS_BY_SUFFIX.items() if name.endswith(suffix)), LATENT_CHANNELS)
+
+
+def expected_shapes(bucket: tuple[int, int], flip_aug: bool, alpha_mask: bool,
+                    channels: int = LATENT_CHANNELS) -> dict[str, tuple[int, ...]]:
     """The arrays a cache file needs for an image in ``bucket`` (W, H), with their shapes."""
-    latents = (LATENT_CHANNELS, bucket[1] // LATENT_STRIDE, bucket[0] // LATENT_STRIDE)
+    latents = (channels, bucket[1] // LATENT_STRIDE, bucket[0] // LATENT_STRIDE)
     shapes = {"latents": latents}
     if flip_aug:
         shapes["latents_flipped"] = latents
@@ -86,7 +96,7 @@ def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str, alph
     warning naming it."""
     if not path.is_file():
         return False
-    expected = expected_shapes(bucket, flip_aug, alpha_mask)
+    expected = expected_shapes(bucket, flip_aug, alpha_mask, latent_channels(path))
     try:
         with np.load(path, allow_pickle=False) as npz:  # an object array in a hostile file would unpickle
             stored_key = str(npz[CACHE_KEY]) if CACHE_KEY in npz.files else None
@@ -111,7 +121,7 @@ def read(path: str | Path, bucket: tuple[int, int], flipped: bool,
     (unflipped) mask; a file that cannot serve them, which only ``--skip_cache_check`` lets through, is a UserError
     naming it."""
     name = "latents_flipped" if flipped else "latents"
-    shapes = expected_shapes(bucket, flipped, alpha_mask)
+    shapes = expected_shapes(bucket, flipped, alpha_mask, latent_channels(path))
     expected = {needed: shapes[needed] for needed in (name, "alpha_mask") if needed in shapes}
     fix = "delete it or run without --skip_cache_check, so that it is rebuilt"
     try:

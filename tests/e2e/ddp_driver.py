@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import library.runtime.run  # noqa: E402
-import library.train.batch_loss  # noqa: E402
+import library.train.objective  # noqa: E402
 import train_network  # noqa: E402
 from library.base.errors import UserError  # noqa: E402
 from library.train import network_setup  # noqa: E402
@@ -65,8 +65,8 @@ def _image_generators(paths: list[str], call: int) -> list[torch.Generator]:
 def patched(inject: dict, recorder: Recorder):
     """The run's patches (see the module docstring), undone afterwards."""
     originals = {"BatchLoss": library.runtime.run.BatchLoss, "Updater": library.runtime.run.Updater,
-                 "build_network": network_setup.build_network, "sample_noise": library.train.batch_loss.sample_noise,
-                 "sample_timesteps": library.train.batch_loss.sample_timesteps}
+                 "build_network": network_setup.build_network, "sample_noise": library.train.objective.sample_noise,
+                 "sample_timesteps": library.train.objective.sample_timesteps}
     rank = int(os.environ.get("RANK", "0"))
     calls = {"n": 0}
     current: dict[str, list[torch.Generator]] = {}
@@ -113,14 +113,14 @@ def patched(inject: dict, recorder: Recorder):
     library.runtime.run.BatchLoss, library.runtime.run.Updater = InjectingLoss, RecordingUpdater
     network_setup.build_network = build_network
     if inject.get("noise_by_image"):
-        library.train.batch_loss.sample_noise, library.train.batch_loss.sample_timesteps = noise, timesteps
+        library.train.objective.sample_noise, library.train.objective.sample_timesteps = noise, timesteps
     try:
         yield
     finally:
         library.runtime.run.BatchLoss, library.runtime.run.Updater = originals["BatchLoss"], originals["Updater"]
         network_setup.build_network = originals["build_network"]
-        library.train.batch_loss.sample_noise = originals["sample_noise"]
-        library.train.batch_loss.sample_timesteps = originals["sample_timesteps"]
+        library.train.objective.sample_noise = originals["sample_noise"]
+        library.train.objective.sample_timesteps = originals["sample_timesteps"]
 
 
 def run_one(args: list[str], inject: dict, out: Path, rank: int, family: str = "sd") -> None:
