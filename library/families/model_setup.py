@@ -77,7 +77,8 @@ def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPo
 
 def set_attention(model: SDModel, precision: PrecisionConfig, device: torch.device) -> None:
     """xformers with ``--xformers`` where it can run (the package installed, a CUDA device); otherwise PyTorch's
-    scaled-dot-product attention, the same attention, with memory-efficient kernels on CUDA: ``--xformers``
+    scaled-dot-product attention, the same attention, with memory-efficient kernels on CUDA (on the CPU for long key
+    sequences only: ``library/families/cpu_attention.py``): ``--xformers``
     without the package (the kohya_ss GUI's default attention) or off CUDA says so in one info line."""
     xformers_runs = importlib.util.find_spec("xformers") is not None and device.type == "cuda"
     if precision.xformers and xformers_runs:
@@ -85,7 +86,9 @@ def set_attention(model: SDModel, precision: PrecisionConfig, device: torch.devi
         return
     from diffusers.models.attention_processor import AttnProcessor2_0
 
-    model.unet.set_attn_processor(AttnProcessor2_0())
+    from library.families.cpu_attention import CPUAttention
+
+    model.unet.set_attn_processor(CPUAttention() if device.type == "cpu" else AttnProcessor2_0())
     if precision.xformers:
         why = "needs a CUDA device" if importlib.util.find_spec("xformers") else "package is not installed"
         log.info("--xformers: the xformers %s; the UNet uses PyTorch's scaled-dot-product attention instead (the "
