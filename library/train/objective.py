@@ -23,6 +23,8 @@ Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (noisy latents
 
 
 class Objective(Protocol):
+    num_train_timesteps: int  # the timesteps validation spreads its fixed ones over (sd-scripts: 1000)
+
     def loss(self, latents: torch.Tensor, predict: Predict, weights: torch.Tensor, mask: torch.Tensor | None, *,
              noise: NoiseConfig, loss: LossConfig, generator: torch.Generator,
              host_generator: torch.Generator | None) -> torch.Tensor:
@@ -37,6 +39,10 @@ class DiffusionObjective:
     alphas_cumprod: torch.Tensor
     all_snr: torch.Tensor
     v_parameterization: bool
+
+    @property
+    def num_train_timesteps(self) -> int:
+        return self.alphas_cumprod.shape[0]
 
     @classmethod
     def of(cls, noise_scheduler, v_parameterization: bool, device: torch.device) -> DiffusionObjective:

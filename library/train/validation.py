@@ -191,8 +191,7 @@ def build_validation(data: TrainData | None, cfg: ValidationConfig, batch_loss: 
         return None
     data.source.order = held_out_order
     noise = batch_loss.noise
-    steps = validation_timesteps(noise.min_timestep, noise.max_timestep,
-                                 batch_loss.model.noise_scheduler.config.num_train_timesteps)
+    steps = validation_timesteps(noise.min_timestep, noise.max_timestep, batch_loss.objective.num_train_timesteps)
     count = min(cfg.max_validation_steps or len(data), len(data))
     log.info("validation: %d batch(es) x timesteps %s, seed %d", count, steps, data.seed)
     return Validation(data, batch_loss, modules, cfg, steps, max_train_steps)

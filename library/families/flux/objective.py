@@ -7,7 +7,10 @@ dtype; the prediction through ``predict`` (the family packs, adds ids and guidan
 ``--model_prediction_type`` and its weighting; the target ``noise - latents``; the elementwise ``--loss_type`` loss
 times that weighting and the loss mask, averaged per image, times the dataset's loss weights, averaged. No
 SNR-based weighting applies (upstream's ``post_process_loss`` for FLUX returns the loss as it is); the Huber
-parameter follows ``--huber_schedule`` constant or exponential over the 1000 training timesteps.
+parameter follows ``--huber_schedule`` constant or exponential over the 1000 training timesteps. Validation's fixed
+timesteps (``--min_timestep`` = ``--max_timestep`` per pass) do not reach FLUX's samplers, as in upstream, whose
+flow-matching sampler ignores both: each of a batch's 4 validation passes draws its own noise level, from the
+validation's seeded generator here (so the validation loss is the same at every validation).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class FlowObjective:
     flow: FlowConfig
     schedule: FlowMatchSchedule
     dtype: torch.dtype
+    num_train_timesteps: int = NUM_TRAIN_TIMESTEPS  # validation's timesteps; FLUX draws its own (as upstream)
 
     @classmethod
     def of(cls, flow: FlowConfig, dtype: torch.dtype, device: torch.device) -> FlowObjective:
