@@ -5,7 +5,7 @@ On the CPU, SDPA's flash kernel wins where there are many keys (the 32x32-latent
 against 50 ms forward and backward in bf16, one thread) but loses where there are few (cross-attention over 77
 tokens, the 16x16 and smaller self-attentions: 3.8 against 6.5 ms, 3.1 against 4.9 ms). Picking per call by the key
 length took a SD1.5 UNet step (256 px, batch 1, bf16, forward and backward) from 2.24-2.29 s to 2.19-2.24 s here.
-On CUDA every length goes to SDPA (``library/families/model_setup.set_attention``).
+On CUDA every length goes to SDPA (``library/families/model_setup.set_attention``), and so does a compiled UNet.
 """
 
 from __future__ import annotations
@@ -27,5 +27,8 @@ class CPUAttention:
                  attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None) -> torch.Tensor:
         keys = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         length = keys.shape[1] if keys.ndim == 3 else keys.shape[2] * keys.shape[3]
-        chosen = self.long if length > self.long_keys else self.short
+        # compiled (--torch_compile): always SDPA, since a choice by a dynamic bucket size would add a guard and a
+        # recompile per side of the threshold
+        compiling = torch.compiler.is_compiling()
+        chosen = self.long if compiling or length > self.long_keys else self.short
         return chosen(attn, hidden_states, encoder_hidden_states, attention_mask, temb)
