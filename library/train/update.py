@@ -53,6 +53,7 @@ number of spans, a constant per ``FUSED_SPAN`` tensors.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import warnings
@@ -153,7 +154,7 @@ class Updater:
 
     def __post_init__(self) -> None:
         self.deferred = (not self.fused and self.loss_scale is None
-                         and getattr(self.optimizer, "decides_on_device", False))
+                         and getattr(self.optimizer, "decides_on_device", False) and self._max_norm_can_skip())
         if self.fused:
             self._spans = self.optimizer.spans(FUSED_SPAN)
             with torch.enable_grad():
@@ -361,6 +362,14 @@ class Updater:
             else:
                 self.optimizer.state[param].update(host_state)
 
+    def _max_norm_can_skip(self) -> bool:
+        """``--scale_weight_norms`` can follow an update decided on the device: the network's regularization takes
+        ``apply`` (``networks.lora``; LyCORIS's does not, so such a run reads before it steps)."""
+        if self.max_norm is None:
+            return True
+        network = self.max_norm[0]
+        return "apply" in inspect.signature(network.apply_max_norm_regularization).parameters
+
     def _max_norm(self, apply: torch.Tensor | None = None) -> None:
         """``--scale_weight_norms`` after the step (only where ``apply``, a device flag, is true); its statistics
         (keys scaled, mean and max norm) are read with the next read and land in ``max_norm_log`` as (update,
@@ -369,7 +378,8 @@ class Updater:
             return
         network, value = self.max_norm
         device = self.params[0].device
-        stats = network.apply_max_norm_regularization(value, device, apply=apply)
+        stats = (network.apply_max_norm_regularization(value, device) if apply is None
+                 else network.apply_max_norm_regularization(value, device, apply=apply))
         values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device) for v in stats])
         update = self.updates + 1 if apply is not None else self.updates  # a deferred update is counted when read
         self.readout.defer(values, lambda numbers, update=update: self.max_norm_log.append(

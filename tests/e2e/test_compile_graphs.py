@@ -97,15 +97,16 @@ class Recompiling(torch.nn.Module):
         return self.linear(sample) * self.step
 
 
-def test_hitting_the_recompile_limit_is_one_warning_naming_torch_compile(caplog, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+def test_hitting_the_recompile_limit_is_one_warning_naming_torch_compile(caplog):
     model = SimpleNamespace(unet=Recompiling())
-    model_setup.compile_unet(model, PrecisionConfig(torch_compile=True, dynamo_backend="eager"))
-    model_setup.watch_recompile_limit().warned = False
-    with caplog.at_level(logging.WARNING, logger="library.families.model_setup"):
-        for step in range(5):
-            model.unet._orig_mod.step = step
-            model.unet(torch.randn(2, 3, 8, 4))
+    # torch's own patch: its undo restores the limit (monkeypatch's undo leaves dynamo's config broken)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        model_setup.compile_unet(model, PrecisionConfig(torch_compile=True, dynamo_backend="eager"))
+        model_setup.watch_recompile_limit().warned = False
+        with caplog.at_level(logging.WARNING, logger="library.families.model_setup"):
+            for step in range(5):
+                model.unet._orig_mod.step = step
+                model.unet(torch.randn(2, 3, 8, 4))
     ours = [r.getMessage() for r in caplog.records if r.name == "library.families.model_setup"]
     assert len(ours) == 1
     assert ours[0].startswith("--torch_compile: dynamo hit torch._dynamo.config.recompile_limit (2)")

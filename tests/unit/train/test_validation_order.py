@@ -61,8 +61,7 @@ def our_visits(tmp_path: Path, split: float, seed: int, **kw) -> list[list[str]]
     data = build_train_data(DataConfig(train_data_dir=str(tmp_path / "train"), validation_split=split,
                                        validation_seed=seed, **kw), seed=1)
     batch_loss = SimpleNamespace(noise=SimpleNamespace(min_timestep=None, max_timestep=None),
-                                 model=SimpleNamespace(noise_scheduler=SimpleNamespace(
-                                     config=SimpleNamespace(num_train_timesteps=1000))))
+                                 objective=SimpleNamespace(num_train_timesteps=1000))
     validation = build_validation(data.validation, ValidationConfig(), batch_loss, (), max_train_steps=10)
     batches = validation.data.fixed_batches(len(validation.data), 10)
     return [[Path(p).name for p in batch["image_paths"]] for batch in batches]
