@@ -331,8 +331,8 @@ class TrainData:
                 sub = ds.subsets[item.subset_index].spec
                 caption = process_caption(item.caption, sub, random.Random(0), CaptionState())
                 cache_key = text_cache.cache_key(caption, *key)
-                if to_disk and text_cache.is_valid(text_cache.npz_path(item.path), cache_key, names):
-                    self.text_outputs.disk[(d, i)] = str(text_cache.npz_path(item.path))
+                if to_disk and text_cache.is_valid(text_cache.npz_path(item.path, names), cache_key, names):
+                    self.text_outputs.disk[(d, i)] = str(text_cache.npz_path(item.path, names))
                     continue
                 pending.append((d, i, caption, cache_key))
         return pending
@@ -346,7 +346,7 @@ class TrainData:
             for n, (d, i, _, cache_key) in enumerate(jobs):
                 one = {name: outputs[name][n].clone() for name in names}
                 if to_disk:
-                    path = text_cache.npz_path(self.datasets[d].items[i].path)
+                    path = text_cache.npz_path(self.datasets[d].items[i].path, names)
                     text_cache.write(path, one, cache_key)
                     self.text_outputs.disk[(d, i)] = str(path)
                 else:

@@ -41,17 +41,20 @@ class ArrayNames(tuple):
     a file whose arrays do not fit the model is rebuilt. A plain tuple of names checks no shape."""
 
     shapes: dict[str, tuple[int, ...]]
+    suffix: str  # the file name's end (the family's: SDXL ``_te_outputs.npz``, FLUX.1 ``_flux_te.npz``)
 
-    def __new__(cls, names: Sequence[str], shapes: Mapping[str, tuple[int, ...]] | None = None) -> ArrayNames:
+    def __new__(cls, names: Sequence[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
+                suffix: str = SUFFIX) -> ArrayNames:
         self = super().__new__(cls, names)
         self.shapes = dict(shapes or {})
+        self.suffix = suffix
         return self
 
 
-def npz_path(image_path: str | Path) -> Path:
-    """sd-scripts' text encoder output cache file of an image."""
+def npz_path(image_path: str | Path, names: Sequence[str] = ()) -> Path:
+    """sd-scripts' text encoder output cache file of an image (the suffix of ``names`` when it is ``ArrayNames``)."""
     image_path = Path(image_path)
-    return image_path.with_name(image_path.stem + SUFFIX)
+    return image_path.with_name(image_path.stem + getattr(names, "suffix", SUFFIX))
 
 
 def cache_key(caption: str, max_token_length: int | None, encoder_id: str, weighted: bool = False) -> str:

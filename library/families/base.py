@@ -36,6 +36,7 @@ class ModelFamily(Protocol):
     caches_text_outputs: bool  # --cache_text_encoder_outputs applies (then ``to_cache``/``from_cache`` exist)
     bucket_step: int  # the bucket resolution step sd-scripts verifies for the family
     latent_suffix: str  # the latent cache file suffix (``_sd``, ``_sdxl``, ``_flux``), as sd-scripts keeps them apart
+    text_cache_suffix: str  # the text-encoder output cache file suffix (``_te_outputs.npz``, ``_flux_te.npz``)
     diffusers_denoiser: bool  # the denoiser is a diffusers UNet (attention processors, its checkpointing call)
     samples_itself: bool  # sample images come from ``sample_image`` instead of ``sample_pipeline``
 

@@ -219,7 +219,8 @@ def cache_text_encoder_outputs(data, model, family: ModelFamily, policy: Precisi
                             "or no, or check the text encoders' weights")
         return outputs
 
-    names = ArrayNames(family.cache_names, output_shapes(encode, device) if to_disk else None)
+    names = ArrayNames(family.cache_names, output_shapes(encode, device) if to_disk else None,
+                       family.text_cache_suffix)
     data.cache_text_encoder_outputs(encode, to_disk=to_disk, encoder_id=module_id(*text_encoders),
                                     max_token_length=max_token_length, names=names, batch_size=batch_size,
                                     weighted=weighted, share=share, wait=wait)

@@ -52,6 +52,7 @@ class FluxFamily:
     caches_text_outputs: bool = True
     bucket_step: int = 32  # upstream's verify_bucket_reso_steps(32) in flux_train_network.py
     latent_suffix: str = "_flux"  # FluxLatentsCachingStrategy.FLUX_LATENTS_NPZ_SUFFIX ("_flux.npz")
+    text_cache_suffix: str = "_flux_te.npz"  # --cache_text_encoder_outputs_to_disk files, as upstream names them
     diffusers_denoiser: bool = False  # a diffusers UNet (attention processors, its checkpointing call)
     samples_itself: bool = True  # draws sample images with ``sample_image`` (no diffusers pipeline)
     cache_names: tuple[str, ...] = ("l_pooled", "t5_out", "txt_ids", "t5_attn_mask")

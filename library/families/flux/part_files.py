@@ -141,7 +141,10 @@ def _save(state: StateDict, path: Path, config: dict) -> None:
 
 
 def save_clip_l(model: CLIPTextModel, path: Path) -> None:
-    _save(model.state_dict(), path, model.config.to_diff_dict())
+    """Write ``model`` with the ``text_model.*`` names of users' ``clip_l.safetensors`` (whatever transformers names
+    them), which upstream's ``load_clip_l`` reads."""
+    state = {k if k.startswith("text_model.") else f"text_model.{k}": v for k, v in model.state_dict().items()}
+    _save(state, path, model.config.to_diff_dict())
 
 
 def save_t5xxl(model: T5EncoderModel, path: Path) -> None:

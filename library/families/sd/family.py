@@ -25,6 +25,7 @@ class SDFamily:
     caches_text_outputs: bool = False
     bucket_step: int = 64  # sd-scripts' verify_bucket_reso_steps(64) in train_network.py
     latent_suffix: str = "_sd"  # SdSdxlLatentsCachingStrategy.SD_LATENTS_NPZ_SUFFIX
+    text_cache_suffix: str = "_te_outputs.npz"  # --cache_text_encoder_outputs_to_disk files, as upstream names them
     diffusers_denoiser: bool = True  # a diffusers UNet (attention processors, its checkpointing call)
     samples_itself: bool = False  # draws sample images with ``sample_image`` (no diffusers pipeline)
 

@@ -27,6 +27,7 @@ class SDXLFamily:
     caches_text_outputs: bool = True
     bucket_step: int = 32  # SdxlNetworkTrainer.assert_extra_args: verify_bucket_reso_steps(32)
     latent_suffix: str = "_sdxl"  # SdSdxlLatentsCachingStrategy.SDXL_LATENTS_NPZ_SUFFIX
+    text_cache_suffix: str = "_te_outputs.npz"  # --cache_text_encoder_outputs_to_disk files, as upstream names them
     diffusers_denoiser: bool = True  # a diffusers UNet (attention processors, its checkpointing call)
     samples_itself: bool = False  # draws sample images with ``sample_image`` (no diffusers pipeline)
     cache_names: tuple[str, ...] = ("hidden_state1", "hidden_state2", "pool2")  # upstream's npz keys
