@@ -1,6 +1,7 @@
 """The GPU checks of issues 13 and 22 in one command, within one time budget: the hashed bits and stochastic
-rounding on Triton, the compiled SR AdamW kernel against the eager one, the optimizer step, and train_network.py's
-s/step and peak CUDA memory on the SD1.5 architecture.
+rounding on Triton, the compiled SR AdamW kernel against the eager one, the optimizer step, train_network.py's
+s/step and peak CUDA memory on the SD1.5 architecture, and flux_train_network.py's on FLUX.1 at reduced depth (issue
+23).
 
     timeout 590 .venv/bin/python bench/gpu.py --out gpu.md   # on CUDA (default --budget_s 450, under 10 minutes)
     .venv/bin/python bench/gpu.py --dry_run --out g.md       # anywhere: the same code paths at tiny sizes, on the CPU
@@ -17,6 +18,10 @@ Without CUDA (and without ``--dry_run``) it prints why and exits 0 without writi
    LoRA shapes, bf16 and fp32: ms/step after the last compile, host syncs, state bytes per parameter.
 3. Training (``bench/gpu_training.py``): fp32 / mixed bf16 / full bf16 x the four optimizers, batch 1 and 8, 512 px:
    the per-update median s/step from update time stamps after the last compile, and the loop's peak memory.
+4. FLUX.1 training (``bench/gpu_flux.py``): ``flux_train_network.py`` on ``builtin:flux-random`` (FLUX.1-dev widths,
+   2 double + 4 single blocks) at 512 px: bf16 mixed (AdamW) and full bf16 (StochasticAdamW), each plain, with
+   ``--fp8_base`` and with ``--blocks_to_swap``: s/step and the loop's peak CUDA memory. Last in the order: give a
+   larger ``--budget_s`` (e.g. 560 under ``timeout 590``) for it to fit after section 3.
 
 The results file is rewritten atomically after every section (and every training row), with a status line saying
 whether the run finished: a timeout or a kill at any moment leaves every finished section on disk. Every section is
@@ -44,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu_checks import kernel_checks  # noqa: E402
+from bench.gpu_flux import flux_training  # noqa: E402
 from bench.gpu_sections import Budget, SectionFailed, Sizes, compiled_kernel, optimizer_step, sizes  # noqa: E402
 from bench.gpu_training import training  # noqa: E402
 from library.base.files import write_bytes_atomic  # noqa: E402
@@ -63,6 +69,7 @@ SECTIONS: list[tuple[str, Section]] = [
     ("1. Compiled SR AdamW kernel", compiled_kernel),
     ("2. Optimizer step", optimizer_step),
     ("3. Training", _training),
+    ("4. FLUX.1 training", flux_training),
 ]
 
 

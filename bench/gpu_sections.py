@@ -69,12 +69,15 @@ class Sizes:
     warmup: int
     draws: int  # stochastic roundings per value in the kernel checks
     workers: int
+    flux_model: str  # the FLUX section's built-in model (bench/gpu_flux.py)
 
 
 def sizes(dry_run: bool, steps: int) -> Sizes:
     if dry_run:
-        return Sizes(torch.device("cpu"), "builtin:tiny-sd15", 64, (1, 2), 4, 8, 2, 1, 1 << 16, 0)
-    return Sizes(torch.device("cuda"), "builtin:sd15-random", 512, (1, 8), steps, None, 20, 3, 1 << 22, 2)
+        return Sizes(torch.device("cpu"), "builtin:tiny-sd15", 64, (1, 2), 4, 8, 2, 1, 1 << 16, 0,
+                     "builtin:tiny-flux:double=2,single=4")
+    return Sizes(torch.device("cuda"), "builtin:sd15-random", 512, (1, 8), steps, None, 20, 3, 1 << 22, 2,
+                 "builtin:flux-random:double=2,single=4,t5_layers=1")
 
 
 def synchronize(device: torch.device) -> None:

@@ -11,13 +11,16 @@
 #              SD_CHECK_E2E_SDXL=1  also run harness/check_e2e.py --sdxl: 2 steps of the patched
 #                               sdxl_train_network.py on a random-weight SDXL at 256 px (about 20 min on 2 CPU
 #                               threads, 12.5 GB RAM, 7 GB in TMPDIR)
+#              SD_CHECK_E2E_FLUX=1  also run harness/check_e2e_flux.py: 2 steps of the patched
+#                               flux_train_network.py on a random FLUX.1 at real widths, 2 double + 4 single
+#                               blocks, 256 px (SD_CHECK_E2E_FLUX_MODEL=DIR reuses its four model files)
 #              SD_CHECK_KEEP=1  keep the throw-away clone and print its path
 # Exit: 0 all checks passed, or skipped with a "SKIP:" line when the python packages cannot be installed;
 #       1 a check failed; 2 bad usage or an unusable UPSTREAM_DIR.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-[[ $# -eq 1 ]] || { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[[ $# -eq 1 ]] || { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 upstream=$(cd "$1" 2>/dev/null && pwd) || die "$1 does not exist"
 require_upstream "$upstream"
 base=$(require_commit "$upstream" "$PINNED_COMMIT")
@@ -92,6 +95,11 @@ if [[ ${SD_CHECK_E2E_SDXL:-0} == 1 ]]; then
     run_harness check_e2e.py "$work/e2e-sdxl" --sdxl
 else
     echo "--   end-to-end sdxl_train_network.py run: skipped (SD_CHECK_E2E_SDXL=1 runs it: about 20 min, 12.5 GB RAM)"
+fi
+if [[ ${SD_CHECK_E2E_FLUX:-0} == 1 ]]; then
+    run_harness check_e2e_flux.py "$work/e2e-flux"
+else
+    echo "--   end-to-end flux_train_network.py run: skipped (SD_CHECK_E2E_FLUX=1 runs it)"
 fi
 
 if [[ $failed != 0 ]]; then

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu, gpu_checks, gpu_sections, gpu_training
+from bench import gpu, gpu_checks, gpu_flux, gpu_sections, gpu_training
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_dry_run_writes_every_section_and_prints_the_median(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gpu_training, "PRECISIONS", {"fp32": ["--mixed_precision", "no"]})
     monkeypatch.setattr(gpu_training, "OPTIMIZERS", {"SPARKLES": ["--optimizer_type", "SPARKLES"]})
+    monkeypatch.setattr(gpu_flux, "PRECISIONS", {"full bf16": gpu_flux.PRECISIONS["full bf16, StochasticAdamW"]})
     out = tmp_path / "gpu.md"
     assert gpu.main(["--dry_run", "--out", str(out)]) == 0
     report = out.read_text()
@@ -38,6 +39,12 @@ def test_dry_run_writes_every_section_and_prints_the_median(tmp_path, capsys, mo
     median, timed = float(rows[0].split("|")[4]), int(rows[0].split("|")[5])
     assert median > 0 and timed == 3  # 4 updates: update 1 has no start stamp, none compiled (tiny sizes stay eager)
     assert "s/step (per-update median)" in printed
+    flux = [line for line in printed.splitlines() if line.startswith("| full bf16 |")]
+    # FLUX section: tiny-flux at 2 double + 4 single blocks allows --blocks_to_swap 1 (upstream's rule); each row
+    # printed once as it finishes, once in the section, each with a median over 3 timed updates
+    assert [line.split("|")[2].strip() for line in flux] == ["none", "--fp8_base", "--blocks_to_swap 1"] * 2
+    assert all(float(line.split("|")[3]) > 0 and int(line.split("|")[4]) == 3 for line in flux)
+    assert "## 4. FLUX.1 training" in report and "builtin:tiny-flux:double=2,single=4 written as files" in report
 
 
 def test_a_kill_during_a_section_leaves_the_finished_ones_on_disk(tmp_path):
