@@ -14,11 +14,12 @@ import torch
 
 from library.config import ModelConfig
 from library.families.base import ModelIds
+from library.families.unet_hooks import UNetFamilyHooks
 from library.train.readout import to_device
 
 
 @dataclass(frozen=True)
-class SDFamily:
+class SDFamily(UNetFamilyHooks):
     """Stable Diffusion 1.x / 2.x (``train_network.py``): one CLIP text encoder, no size conditioning."""
 
     name: str = "sd"
@@ -45,28 +46,6 @@ class SDFamily:
 
         return load_sd_model(cfg.pretrained_model_name_or_path, v2=cfg.v2, v_parameterization=cfg.v_parameterization,
                              vae=cfg.vae, file_device=file_device)
-
-    def denoiser_device(self, section: Any, device: torch.device) -> torch.device:
-        """Where the loaded UNet goes: the training device."""
-        return device
-
-    def place_denoiser(self, model: Any, section: Any, device: torch.device) -> None:
-        """Nothing more to place: the UNet is on the device."""
-
-    def store_fp8(self, part: torch.nn.Module, denoiser: bool, dtype: torch.dtype) -> int:
-        """``--fp8_base``: the part's Linear and Conv weights in fp8 (``library/families/fp8.py``)."""
-        from library.families.fp8 import store_fp8
-
-        return store_fp8(part, dtype)
-
-    def metadata(self, cfg: Any) -> dict[str, str]:
-        return {}
-
-    def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
-        """sd-scripts' DDPM objective on the model's noise scheduler (``library/train/objective.py``)."""
-        from library.train.objective import DiffusionObjective
-
-        return DiffusionObjective.of(model.noise_scheduler, model.v_parameterization, device)
 
     def text_encoders(self, model: Any) -> list[torch.nn.Module]:
         return [model.text_encoder]

@@ -15,11 +15,12 @@ import torch
 
 from library.config import ModelConfig, SDXLConfig
 from library.families.base import ModelIds
+from library.families.unet_hooks import UNetFamilyHooks
 from library.train.readout import to_device
 
 
 @dataclass(frozen=True)
-class SDXLFamily:
+class SDXLFamily(UNetFamilyHooks):
     """Stable Diffusion XL (``sdxl_train_network.py``): CLIP ViT-L + OpenCLIP ViT-bigG, pooled text embedding and
     size conditioning as extra UNet inputs; text encoder outputs can be cached."""
 
@@ -48,28 +49,6 @@ class SDXLFamily:
         return load_sdxl_model(cfg.pretrained_model_name_or_path, vae=cfg.vae,
                                disable_mmap=sdxl.disable_mmap_load_safetensors, random_dtype=dtype,
                                v_parameterization=cfg.v_parameterization)
-
-    def denoiser_device(self, section: Any, device: torch.device) -> torch.device:
-        """Where the loaded UNet goes: the training device."""
-        return device
-
-    def place_denoiser(self, model: Any, section: Any, device: torch.device) -> None:
-        """Nothing more to place: the UNet is on the device."""
-
-    def store_fp8(self, part: torch.nn.Module, denoiser: bool, dtype: torch.dtype) -> int:
-        """``--fp8_base``: the part's Linear and Conv weights in fp8 (``library/families/fp8.py``)."""
-        from library.families.fp8 import store_fp8
-
-        return store_fp8(part, dtype)
-
-    def metadata(self, cfg: Any) -> dict[str, str]:
-        return {}
-
-    def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
-        """sd-scripts' DDPM objective on the model's noise scheduler (``library/train/objective.py``)."""
-        from library.train.objective import DiffusionObjective
-
-        return DiffusionObjective.of(model.noise_scheduler, model.v_parameterization, device)
 
     def text_encoders(self, model: Any) -> list[torch.nn.Module]:
         return [model.text_encoder, model.text_encoder_2]
