@@ -35,7 +35,7 @@ from torch import nn
 from library.base.errors import UserError
 from networks.args import LoRAArgs, network_metadata, parse_network_args
 from networks.families import family_of, unet_module_names
-from networks.lora_format import cast_for_saving, load_weights_file, save_weights_file
+from networks.lora_format import cast_for_saving, load_weights_file, save_weights_file, weights_shapes
 from networks.lora_modules import (
     TEXT_ENCODER_TARGETS,
     UNET_CONV_TARGETS,
@@ -366,20 +366,7 @@ def create_network_from_weights(multiplier: float, file: str | os.PathLike[str] 
     absent, as old files), conv modules wherever the file has them. Weights are not loaded here (they may be merged
     instead); ``kwargs`` may carry block LR weights and LoRA+ ratios. ``for_inference`` is accepted for
     compatibility; the modules are the same."""
-    if weights_sd is None:
-        if file is None:
-            raise UserError("create_network_from_weights needs a file or weights_sd")
-        weights_sd = load_weights_file(file)
-    dims: dict[str, int] = {}
-    alphas: dict[str, Any] = {}
-    for key, value in weights_sd.items():
-        lora_name, _, rest = key.partition(".")
-        if rest == "alpha":
-            alphas[lora_name] = value
-        elif rest == "lora_down.weight":
-            dims[lora_name] = int(value.shape[0])
-    for name, dim in dims.items():
-        alphas.setdefault(name, dim)
+    weights_sd, dims, alphas = weights_shapes(file, weights_sd)
     args = parse_network_args(None, None, None, kwargs, layout=family_of(unet).blocks)
     network = LoRANetwork(text_encoder, unet, multiplier=multiplier, args=args, modules_dim=dims, modules_alpha=alphas)
     return network, dict(weights_sd)

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from library.base.errors import UserError
 from networks.args import LoRAArgs
 from networks.flux_args import FluxLoRAArgs, parse_flux_network_args
 from networks.flux_groups import part_groups, text_encoder_lrs
@@ -52,7 +51,7 @@ from networks.flux_targets import (
     text_encoder_candidates,
 )
 from networks.lora import LoRANetwork
-from networks.lora_format import load_weights_file
+from networks.lora_format import weights_shapes
 from networks.lora_modules import LoRAModule
 
 __all__ = ["FluxLoRANetwork", "create_network", "create_network_from_weights"]
@@ -191,20 +190,7 @@ def create_network_from_weights(multiplier: float, file: str | os.PathLike[str] 
     T5 modules when the file has ``lora_te3_`` keys. Split modules of a ``split_qkv`` file load as plain modules of
     the file's rank, as upstream. Weights are not loaded here; ``kwargs`` may carry LoRA+ ratios and
     ``network_reg_lrs``; ``for_inference`` is accepted for compatibility."""
-    if weights_sd is None:
-        if file is None:
-            raise UserError("create_network_from_weights needs a file or weights_sd")
-        weights_sd = load_weights_file(file)
-    dims: dict[str, int] = {}
-    alphas: dict[str, Any] = {}
-    for key, value in weights_sd.items():
-        lora_name, _, rest = key.partition(".")
-        if rest == "alpha":
-            alphas[lora_name] = value
-        elif rest == "lora_down.weight":
-            dims[lora_name] = int(value.shape[0])
-    for name, dim in dims.items():
-        alphas.setdefault(name, dim)
+    weights_sd, dims, alphas = weights_shapes(file, weights_sd)
     shaping = {k: v for k, v in kwargs.items() if k.startswith("loraplus_") or k == "network_reg_lrs"}
     args, flux_args = parse_flux_network_args(None, None, None, shaping)
     flux_args.train_t5xxl = any(name.startswith(PREFIX_T5 + "_") for name in dims)

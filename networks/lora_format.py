@@ -46,6 +46,28 @@ def load_weights_file(file: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     return loaded
 
 
+def weights_shapes(file: str | os.PathLike[str] | None, weights_sd: Mapping[str, torch.Tensor] | None
+                   ) -> tuple[Mapping[str, torch.Tensor], dict[str, int], dict[str, object]]:
+    """A saved LoRA's tensors (read from ``file`` unless given) with each module's rank (its ``lora_down``'s first
+    dimension) and alpha (its ``.alpha``; the rank where absent, as old files): what ``create_network_from_weights``
+    shapes a network by."""
+    if weights_sd is None:
+        if file is None:
+            raise UserError("create_network_from_weights needs a file or weights_sd")
+        weights_sd = load_weights_file(file)
+    dims: dict[str, int] = {}
+    alphas: dict[str, object] = {}
+    for key, value in weights_sd.items():
+        lora_name, _, rest = key.partition(".")
+        if rest == "alpha":
+            alphas[lora_name] = value
+        elif rest == "lora_down.weight":
+            dims[lora_name] = int(value.shape[0])
+    for name, dim in dims.items():
+        alphas.setdefault(name, dim)
+    return weights_sd, dims, alphas
+
+
 def safetensors_hashes(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[str, str]:
     """``(sshs_model_hash, sshs_legacy_hash)`` as sd-scripts' ``precalculate_safetensors_hashes``.
 
