@@ -100,21 +100,25 @@ def lora_run_args(model: str, data: Path, resolution: int, steps: int, *, rank: 
 
 
 def stamp_updates(stamps: list[float]) -> None:
-    """Make every optimizer update (``library.train.update.Updater.update``) append its end time to ``stamps``, after a
-    CUDA synchronisation on a GPU; a child's step times are the differences of consecutive stamps."""
+    """Make every optimizer update (``update`` of each mode of ``library.train.update``) append its end time to
+    ``stamps``, after a CUDA synchronisation on a GPU; a child's step times are the differences of consecutive
+    stamps."""
     import time
 
     import torch
 
-    from library.train.update import Updater
+    from library.train.update import DeferredUpdater, FusedUpdater, ImmediateUpdater
 
-    update, cuda = Updater.update, torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
 
-    def timed_update(self):
-        result = update(self)
-        if cuda:
-            torch.cuda.synchronize()
-        stamps.append(time.perf_counter())
-        return result
+    def timed(update):
+        def timed_update(self):
+            result = update(self)
+            if cuda:
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+            return result
+        return timed_update
 
-    Updater.update = timed_update
+    for mode in (ImmediateUpdater, DeferredUpdater, FusedUpdater):
+        mode.update = timed(mode.update)

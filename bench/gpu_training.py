@@ -58,12 +58,12 @@ class TrainingProbe:
     def __enter__(self) -> TrainingProbe:
         from library.families.sd import loading
         from library.runtime import run
-        from library.train.update import Updater
+        from library.train.update import DeferredUpdater, FusedUpdater, ImmediateUpdater
 
-        load, loop = loading.load_sd_model, run.train_loop
-        self._originals = load, Updater.update, loop
+        load, loop, modes = loading.load_sd_model, run.train_loop, (ImmediateUpdater, DeferredUpdater, FusedUpdater)
+        self._originals = load, [(mode, mode.update) for mode in modes], loop
         stamp_updates(self.stamps)
-        stamped, probe = Updater.update, self
+        probe = self
 
         def cached_model(path, **kwargs):
             key = (path, *sorted(kwargs.items()))
@@ -71,12 +71,14 @@ class TrainingProbe:
                 probe.models[key] = load(path, **kwargs)
             return copy.deepcopy(probe.models[key])
 
-        def counted_update(updater):
-            result = stamped(updater)
-            probe.compiled.append(compiles())
-            if probe.device.type == "cuda":
-                probe.peak = torch.cuda.max_memory_allocated(probe.device)
-            return result
+        def counted(stamped):
+            def counted_update(updater):
+                result = stamped(updater)
+                probe.compiled.append(compiles())
+                if probe.device.type == "cuda":
+                    probe.peak = torch.cuda.max_memory_allocated(probe.device)
+                return result
+            return counted_update
 
         def measured_loop(**kwargs):
             if probe.device.type == "cuda":
@@ -84,15 +86,18 @@ class TrainingProbe:
             return loop(**kwargs)
 
         # the SD model family loads through library.families.sd.loading.load_sd_model (library/families/registry.py)
-        loading.load_sd_model, Updater.update, run.train_loop = cached_model, counted_update, measured_loop
+        loading.load_sd_model, run.train_loop = cached_model, measured_loop
+        for mode in modes:
+            mode.update = counted(mode.update)
         return self
 
     def __exit__(self, *exc: object) -> None:
         from library.families.sd import loading
         from library.runtime import run
-        from library.train.update import Updater
 
-        loading.load_sd_model, Updater.update, run.train_loop = self._originals
+        loading.load_sd_model, updates, run.train_loop = self._originals
+        for mode, update in updates:
+            mode.update = update
         self.models.clear()
 
     def run(self, argv: list[str]) -> tuple[list[float], int | None]:

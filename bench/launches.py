@@ -77,7 +77,7 @@ def count_run(family: str, argv: list[str]) -> dict[str, Any]:
 
     import train_network
     from library.train import loop
-    from library.train.update import Updater
+    from library.train.update import DeferredUpdater, FusedUpdater, ImmediateUpdater
     from tests.sync_counter import SyncCounter
 
     class Counter(SyncCounter):
@@ -91,10 +91,11 @@ def count_run(family: str, argv: list[str]) -> dict[str, Any]:
     tensors: list[int] = []
     windows: list[tuple[int, int]] = []
     marks = [0, 0]
-    originals = (loop._iterate, Updater.__post_init__, Updater.update)
+    modes = (ImmediateUpdater, DeferredUpdater, FusedUpdater)
+    iterate, updates = loop._iterate, [mode.update for mode in modes]
 
     def loading_paused(loader):  # batches come from host memory: reading them is not a sync
-        batches = originals[0](loader)
+        batches = iterate(loader)
         while True:
             with counter.paused():
                 batch = next(batches, None)
@@ -102,22 +103,25 @@ def count_run(family: str, argv: list[str]) -> dict[str, Any]:
                 return
             yield batch
 
-    def seen(self):
-        tensors.append(len(self.params))
-        originals[1](self)
+    def counted(update):
+        def counted_update(self):
+            result = update(self)
+            tensors[:] = [len(self.params)]
+            windows.append((Counter.ops - marks[0], len(counter.syncs) - marks[1]))
+            marks[:] = [Counter.ops, len(counter.syncs)]
+            return result
+        return counted_update
 
-    def counted_update(self):
-        result = originals[2](self)
-        windows.append((Counter.ops - marks[0], len(counter.syncs) - marks[1]))
-        marks[:] = [Counter.ops, len(counter.syncs)]
-        return result
-
-    loop._iterate, Updater.__post_init__, Updater.update = loading_paused, seen, counted_update
+    loop._iterate = loading_paused
+    for mode, update in zip(modes, updates, strict=True):
+        mode.update = counted(update)
     try:
         with torch.compiler.set_stance("force_eager"), counter:
             code = train_network.main(argv, family=family)
     finally:
-        loop._iterate, Updater.__post_init__, Updater.update = originals
+        loop._iterate = iterate
+        for mode, update in zip(modes, updates, strict=True):
+            mode.update = update
     if code != 0:
         raise RuntimeError(f"the counted run exited with {code}")
     return {"ops": Counter.ops, "syncs": len(counter.syncs), "tensors": tensors[0] if tensors else 0,

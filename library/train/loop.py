@@ -2,13 +2,14 @@
 
 Everything it needs (precision, accumulation, rounding, saving cadence) is decided before the loop and
 handed in; the loop itself has no feature switches. It reads nothing from the device per micro-batch: the loss
-travels to the updater as a tensor, and the update's one host read (``library/train/update.py``) returns the numbers
-the progress bar and the trackers show. The arithmetic is sd-scripts' (SD_SCRIPTS_BEHAVIOR.md
-§4.2): an update every ``gradient_accumulation_steps`` micro-batches and at the end of each epoch,
-``global_step`` counts updates, step saves happen at every multiple of ``--save_every_n_steps`` (the last step
-included), epoch saves after epochs other than the last, then the final save (``library/saving/lora_files.py``). With a
-validation split, ``validation`` (``library/train/validation.py``) runs after an update and at the end of an epoch when
-its cadence says so; its scalars are logged with the step's or the epoch's.
+travels to the updater as a tensor, and the update's one host read (``library/train/update/``) returns the numbers
+the progress bar and the trackers show. The arithmetic is sd-scripts' (``train_network.py``'s loop): an update every
+``gradient_accumulation_steps`` micro-batches and at the end of each epoch, ``global_step`` counts updates. After an
+update and after an epoch the loop walks its cadence hooks (``library/train/cadence.py``: samples, step saves at every
+multiple of ``--save_every_n_steps``, the last step included, epoch saves after epochs other than the last), each
+after the pending update is settled; then the final save (``library/saving/lora_files.py``). With a validation
+split, ``validation`` (``library/train/validation.py``) runs after an update and at the end of an epoch when its
+cadence says so; its scalars are logged with the step's or the epoch's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from library.base.errors import TrainingDiverged
+from library.train.cadence import Cadence, run_due, training_cadence
 from library.train.position import Position, SampleHooks, SaveHooks
 from library.train.reports import StepReports
 from library.train.steps import StepPlan
@@ -57,10 +59,11 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
                     disable=None if show_progress else True)
     reports = StepReports(updater, tracker, progress, LossAverage(len(loader)), lr_values, validation,
                           plan.num_epochs)
+    hooks = training_cadence(saves, samples, plan.num_epochs)
     began = time.perf_counter()
     try:
         while pos.epoch < plan.num_epochs and pos.step < plan.max_train_steps:
-            if not _epoch(data, loader, batch_loss, updater, plan, saves, samples, reports, on_epoch_start, pos):
+            if not _epoch(data, loader, batch_loss, updater, plan, hooks, reports, on_epoch_start, pos):
                 break
         reports.settle()
     except TrainingDiverged as diverged:
@@ -76,8 +79,7 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
 
 
 def _epoch(data, loader, batch_loss: Callable[[dict], torch.Tensor], updater: Updater, plan: StepPlan,
-           saves: SaveHooks, samples: SampleHooks, reports: StepReports, on_epoch_start: Callable[[int], None],
-           pos: Position) -> bool:
+           hooks: Cadence, reports: StepReports, on_epoch_start: Callable[[int], None], pos: Position) -> bool:
     """Train the epoch ``pos.epoch`` from its batch ``pos.batch``; False when ``--max_train_steps`` ended it early
     (it then stays the current epoch: a resume continues it)."""
     accum = plan.gradient_accumulation_steps
@@ -92,31 +94,18 @@ def _epoch(data, loader, batch_loss: Callable[[dict], torch.Tensor], updater: Up
         result = updater.update()
         pos.step += 1
         reports.after_update(result, pos)
-        if samples.every_n_steps and pos.step % samples.every_n_steps == 0:
-            reports.settle()
-            samples.sample(pos, None)
-        if saves.every_n_steps and pos.step % saves.every_n_steps == 0:
-            reports.settle()
-            saves.step_save(pos)
+        run_due(hooks.after_update, pos, None, reports.settle)
         if pos.step >= plan.max_train_steps:
             break
     reports.flush()
     validation = reports.validation
     epoch_scalars = validation.at_epoch_end(pos, reports.average.moving_average) if validation is not None else {}
-    reports.tracker.log({"loss/epoch_average": reports.average.end_epoch(), **epoch_scalars}, pos.epoch + 1)
-    if pos.batch < len(loader):
-        if samples.every_n_epochs and (pos.epoch + 1) % samples.every_n_epochs == 0:
-            reports.settle()
-            samples.sample(pos, pos.epoch + 1)  # sd-scripts samples after an epoch cut short, too
-        return False
-    pos.epoch, pos.batch = pos.epoch + 1, 0
-    if saves.every_n_epochs and pos.epoch % saves.every_n_epochs == 0 and pos.epoch < plan.num_epochs:
-        reports.settle()
-        saves.epoch_save(pos)
-    if samples.every_n_epochs and pos.epoch % samples.every_n_epochs == 0:
-        reports.settle()
-        samples.sample(pos, pos.epoch)
-    return True
+    ended, complete = pos.epoch + 1, pos.batch >= len(loader)
+    reports.tracker.log({"loss/epoch_average": reports.average.end_epoch(), **epoch_scalars}, ended)
+    if complete:
+        pos.epoch, pos.batch = ended, 0
+    run_due(hooks.after_epoch, pos, ended, reports.settle)
+    return complete
 
 
 def _iterate(loader) -> Iterator[dict]:

@@ -2,11 +2,12 @@
 
 An update's numbers (loss, gradient norm, whether it applied) are known right after it when the updater read them
 before stepping, or one update later when the optimizer decided step-or-skip on the device
-(``library/train/update.py``, "deferred decision"): then the read happens while the next update's work is already
+(``library/train/update/deferred.py``): then the read happens while the next update's work is already
 queued, and the device never waits for the host between updates. ``StepReports`` logs each update at its own step
 either way, with what sd-scripts logs after it (``loss/current``, ``loss/average``, ``grad_norm``, the learning
-rates after its scheduler ticks), and settles the pending update first wherever the host needs every number: before
-a validation, a sample, a save, the end of an epoch and the end of the run.
+rates after its scheduler ticks), and reads the pending update first wherever the host needs every number: before a
+validation and at the end of an epoch (here), before a sample or a save (``settle``, which the loop's cadence hooks
+call first: ``library/train/cadence.py``) and at the end of the run.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class StepReports:
 
     def _log_max_norm(self) -> None:
         """The ``--scale_weight_norms`` statistics read since the last call, each at the step of its update (they
-        are read one update late: see ``library/train/update.py``)."""
+        are read one update late: see ``library/train/update/deferred.py``)."""
         for step, (keys, mean, maximum) in self.updater.max_norm_log:
             self.tracker.log({"max_norm/keys_scaled": keys, "max_norm/average_key_norm": mean,
                               "max_norm/max_key_norm": maximum}, step)

@@ -37,8 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import library.objectives.ddpm  # noqa: E402
 import library.runtime.run  # noqa: E402
-import library.train.objective  # noqa: E402
 import train_network  # noqa: E402
 from library.base.errors import UserError  # noqa: E402
 from library.train import network_setup  # noqa: E402
@@ -64,9 +64,9 @@ def _image_generators(paths: list[str], call: int) -> list[torch.Generator]:
 @contextlib.contextmanager
 def patched(inject: dict, recorder: Recorder):
     """The run's patches (see the module docstring), undone afterwards."""
-    originals = {"BatchLoss": library.runtime.run.BatchLoss, "Updater": library.runtime.run.Updater,
-                 "build_network": network_setup.build_network, "sample_noise": library.train.objective.sample_noise,
-                 "sample_timesteps": library.train.objective.sample_timesteps}
+    originals = {"BatchLoss": library.runtime.run.BatchLoss, "make_updater": library.runtime.run.make_updater,
+                 "build_network": network_setup.build_network, "sample_noise": library.objectives.ddpm.sample_noise,
+                 "sample_timesteps": library.objectives.ddpm.sample_timesteps}
     rank = int(os.environ.get("RANK", "0"))
     calls = {"n": 0}
     current: dict[str, list[torch.Generator]] = {}
@@ -94,11 +94,17 @@ def patched(inject: dict, recorder: Recorder):
                 return loss * float("nan")
             return loss
 
-    class RecordingUpdater(originals["Updater"]):
-        def update(self):
-            result = super().update()
+    def recording_updater(*args, **kwargs):
+        updater = originals["make_updater"](*args, **kwargs)
+        update = updater.update
+
+        def recorded_update():
+            result = update()
             recorder.applied.append(result.applied)
             return result
+
+        updater.update = recorded_update
+        return updater
 
     def build_network(*args, **kwargs):
         recorder.network, train_te = originals["build_network"](*args, **kwargs)
@@ -110,17 +116,18 @@ def patched(inject: dict, recorder: Recorder):
     def timesteps(batch_size, cfg, generator, device, *args):
         return torch.cat([torch.randint(0, 1000, (1,), generator=g) for g in current["generators"]]).to(device)
 
-    library.runtime.run.BatchLoss, library.runtime.run.Updater = InjectingLoss, RecordingUpdater
+    library.runtime.run.BatchLoss, library.runtime.run.make_updater = InjectingLoss, recording_updater
     network_setup.build_network = build_network
     if inject.get("noise_by_image"):
-        library.train.objective.sample_noise, library.train.objective.sample_timesteps = noise, timesteps
+        library.objectives.ddpm.sample_noise, library.objectives.ddpm.sample_timesteps = noise, timesteps
     try:
         yield
     finally:
-        library.runtime.run.BatchLoss, library.runtime.run.Updater = originals["BatchLoss"], originals["Updater"]
+        library.runtime.run.BatchLoss = originals["BatchLoss"]
+        library.runtime.run.make_updater = originals["make_updater"]
         network_setup.build_network = originals["build_network"]
-        library.train.objective.sample_noise = originals["sample_noise"]
-        library.train.objective.sample_timesteps = originals["sample_timesteps"]
+        library.objectives.ddpm.sample_noise = originals["sample_noise"]
+        library.objectives.ddpm.sample_timesteps = originals["sample_timesteps"]
 
 
 def run_one(args: list[str], inject: dict, out: Path, rank: int, family: str = "sd") -> None:

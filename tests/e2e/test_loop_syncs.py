@@ -20,7 +20,7 @@ from library.runtime import run
 from library.train import batch_loss
 from library.train import loop as train_module
 from library.train.batch_loss import BatchLoss
-from library.train.update import Updater
+from library.train.update import DeferredUpdater, FusedUpdater, ImmediateUpdater, Updater
 from tests.e2e.test_train_network import train_args
 from tests.sync_counter import SyncCounter, device_copy
 
@@ -34,8 +34,7 @@ def counting(monkeypatch) -> Iterator[tuple[list[list[str]], list[list[str]]]]:
     micro: list[list[str]] = []
     windows: list[list[str]] = []
     marks = {"window": 0, "micro": 0}
-    loss, backward, update, loop, iterate = (BatchLoss.__call__, Updater.backward, Updater.update, run.train_loop,
-                                             train_module._iterate)
+    loss, backward, loop, iterate = BatchLoss.__call__, Updater.backward, run.train_loop, train_module._iterate
     to_device = batch_loss.to_device
 
     def counted_loss(self, batch):
@@ -46,11 +45,13 @@ def counting(monkeypatch) -> Iterator[tuple[list[list[str]], list[list[str]]]]:
         backward(self, value)
         micro.append(counter.syncs[marks["micro"]:])
 
-    def counted_update(self):
-        result = update(self)
-        windows.append(counter.syncs[marks["window"]:])
-        marks["window"] = len(counter.syncs)
-        return result
+    def counted(update):
+        def counted_update(self):
+            result = update(self)
+            windows.append(counter.syncs[marks["window"]:])
+            marks["window"] = len(counter.syncs)
+            return result
+        return counted_update
 
     def counted_loop(**kwargs):
         with counter:
@@ -67,7 +68,8 @@ def counting(monkeypatch) -> Iterator[tuple[list[list[str]], list[list[str]]]]:
 
     monkeypatch.setattr(BatchLoss, "__call__", counted_loss)
     monkeypatch.setattr(Updater, "backward", counted_backward)
-    monkeypatch.setattr(Updater, "update", counted_update)
+    for mode in (ImmediateUpdater, DeferredUpdater, FusedUpdater):
+        monkeypatch.setattr(mode, "update", counted(mode.update))
     monkeypatch.setattr(run, "train_loop", counted_loop)
     monkeypatch.setattr(train_module, "_iterate", loading_paused)
     monkeypatch.setattr(batch_loss, "to_device", lambda tensor, device: device_copy(to_device(tensor, device)))

@@ -11,7 +11,8 @@ from torch import nn
 
 from library.base.errors import TrainingDiverged
 from library.train.accumulation import build_accumulation
-from library.train.update import Updater
+from library.train.loss_scale import DynamicLossScale
+from library.train.update import DeferredUpdater, FusedUpdater, ImmediateUpdater, Updater, make_updater
 from optimizers import SPARKLES, Compass, StochasticAdamW
 from tests.sync_counter import SyncCounter
 
@@ -26,9 +27,10 @@ def _setup(optimizer_class, deferred: bool, max_nan_steps: int = 3):
     optimizer = optimizer_class(params, lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     accumulation = build_accumulation(model, steps=1, network_dtype=torch.bfloat16, mode="stochastic")
-    updater = Updater(params, optimizer, scheduler, accumulation, 1, 1.0, max_nan_steps)
-    assert updater.deferred == getattr(optimizer, "decides_on_device", False)
-    updater.deferred = deferred and updater.deferred
+    updater = make_updater(params, optimizer, scheduler, accumulation, 1, 1.0, max_nan_steps)
+    assert isinstance(updater, DeferredUpdater) == getattr(optimizer, "decides_on_device", False)
+    if not deferred:
+        updater = ImmediateUpdater(params, optimizer, scheduler, accumulation, 1, 1.0, max_nan_steps)
     return model, updater
 
 
@@ -69,8 +71,8 @@ def test_a_deferred_update_is_read_at_the_next_update_before_it_steps():
     model = nn.Linear(4, 2).to(torch.bfloat16)
     optimizer = StochasticAdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    updater = Updater(list(model.parameters()), optimizer, scheduler,
-                      build_accumulation(model, steps=1, network_dtype=torch.bfloat16, mode="stochastic"), 1, 0.0, 3)
+    accumulation = build_accumulation(model, steps=1, network_dtype=torch.bfloat16, mode="stochastic")
+    updater = make_updater(list(model.parameters()), optimizer, scheduler, accumulation, 1, 0.0, 3)
     x = torch.ones(2, 4, dtype=torch.bfloat16)
     counter = SyncCounter()
     with counter:
@@ -100,4 +102,34 @@ def test_max_nan_steps_stops_one_update_later_with_the_same_weights():
 def test_sparkles_reads_before_stepping():
     assert not SPARKLES.decides_on_device and StochasticAdamW.decides_on_device
     *_, updater = _run(SPARKLES, deferred=True, factors=(1.0,))
-    assert not updater.deferred
+    assert isinstance(updater, ImmediateUpdater)
+
+
+class _MaxNorm:
+    """A ``--scale_weight_norms`` network whose regularization takes ``apply`` (as networks.lora's) or not."""
+
+    def __init__(self, takes_apply: bool) -> None:
+        if not takes_apply:
+            self.apply_max_norm_regularization = lambda value, device: (0, 0.0, 0.0)
+
+    def apply_max_norm_regularization(self, value, device, apply=None):
+        return 0, 0.0, 0.0
+
+
+@pytest.mark.parametrize(("optimizer_class", "options", "mode"), [
+    (StochasticAdamW, {}, DeferredUpdater),
+    (Compass, {"max_norm": (_MaxNorm(takes_apply=True), 1.0)}, DeferredUpdater),
+    (StochasticAdamW, {"max_norm": (_MaxNorm(takes_apply=False), 1.0)}, ImmediateUpdater),  # LyCORIS's kind
+    (StochasticAdamW, {"loss_scale": DynamicLossScale()}, ImmediateUpdater),  # the next backward needs the scale
+    (SPARKLES, {}, ImmediateUpdater),
+    (torch.optim.AdamW, {}, ImmediateUpdater),
+    (StochasticAdamW, {"fused": True}, FusedUpdater),
+    (SPARKLES, {"fused": True}, FusedUpdater),
+])
+def test_the_mode_follows_the_optimizer_and_the_flags(optimizer_class, options, mode):
+    model = nn.Linear(4, 2).to(torch.bfloat16)
+    optimizer = optimizer_class(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    accumulation = build_accumulation(model, steps=1, network_dtype=torch.bfloat16, mode="stochastic")
+    updater = make_updater(list(model.parameters()), optimizer, scheduler, accumulation, 1, 0.0, 3, **options)
+    assert type(updater) is mode

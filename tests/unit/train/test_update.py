@@ -9,7 +9,7 @@ from torch import nn
 from library.base.errors import TrainingDiverged
 from library.train.accumulation import build_accumulation
 from library.train.loss_scale import DynamicLossScale
-from library.train.update import FUSED_SPAN, Updater
+from library.train.update import FUSED_SPAN, make_updater
 from optimizers import StochasticAdamW
 
 
@@ -18,8 +18,8 @@ def _updater(model: nn.Module, steps: int, *, dtype=torch.float32, mode="stochas
     optimizer = optimizer or torch.optim.SGD(params, lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     accumulation = build_accumulation(model, steps=steps, network_dtype=dtype, mode=mode)
-    return Updater(params, optimizer, scheduler, accumulation, steps, kwargs.pop("max_grad_norm", 0.0),
-                   kwargs.pop("max_nan_steps", 3), **kwargs)
+    return make_updater(params, optimizer, scheduler, accumulation, steps, kwargs.pop("max_grad_norm", 0.0),
+                        kwargs.pop("max_nan_steps", 3), **kwargs)
 
 
 def _data():

@@ -1,0 +1,131 @@
+"""The fused backward pass (``--fused_backward_pass``, one micro-batch per update): the tensors are stepped inside
+backward, a span at a time.
+
+A span is a run of ``FUSED_SPAN`` consecutive tensors of the optimizer's flat layout (``SROptimizer.spans``). The
+post-accumulate-grad hooks only note arrivals on the host; when the last gradient that this backward will compute for
+a span arrives (the autograd engine says which tensors it will reach: module dropout and unused text encoder layers
+leave some out), the span is clipped per tensor (one ``_foreach_norm``, as sd-scripts' fused Adafactor clips each
+tensor), stepped with one multi-tensor step and its gradients freed; spans still waiting at ``update()`` are stepped
+there. A span's gradients coexist until it is stepped: at most ``FUSED_SPAN`` tensors' per span. Backward fills
+the spans one after the other where the layout keeps the parameter order (no row rules: StochasticAdamW and Compass
+without centralization); with row rules (SPARKLES, centralization) the layout orders tensors by row length, so about
+one span per distinct row length (LoRA: the rank and a few layer widths) is open at a time. Either way the gradients
+of the whole network never coexist.
+
+A tensor whose gradient is non-finite (or all of them, when the loss is) has its step masked on the device (the
+optimizer's ``apply`` flags), so no value of that step survives, and the update counts as non-finite; its host-side
+state (the step counter) is put back at the read, which ``update()`` does as the immediate mode does (the weights
+check read there is this update's own). The ops per update grow with the number of spans, a constant per
+``FUSED_SPAN`` tensors.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from library.train.finite import all_finite
+from library.train.update.base import Updater, UpdateResult
+
+FUSED_SPAN = 32  # tensors per fused-backward span: ~60 ops per span, so ~2 ops per tensor
+
+
+@dataclass
+class _FusedStep:
+    """One span stepped inside backward: its tensors, their ``apply`` flags (device) and host-side state before."""
+
+    params: list[torch.nn.Parameter]
+    applied: torch.Tensor
+    host_states: list[dict[str, Any] | None]
+
+
+@dataclass
+class FusedUpdater(Updater):
+    """Steps the spans inside backward; ``update`` steps what remains, then reads and decides."""
+
+    _fused_steps: list[_FusedStep] = field(default_factory=list, init=False)
+    _fused_sq_norm: torch.Tensor | None = field(default=None, init=False)
+    _spans: list[list[torch.nn.Parameter]] = field(default_factory=list, init=False)
+    _span_of: dict[torch.nn.Parameter, int] = field(default_factory=dict, init=False)
+    _accumulators: list[list[Any]] = field(default_factory=list, init=False)  # each tensor's AccumulateGrad node
+    _pending: dict[int, list[torch.nn.Parameter]] = field(default_factory=dict, init=False)  # span -> arrived
+    _expected: list[int] | None = field(default=None, init=False)  # per span: the gradients this backward computes
+
+    def __post_init__(self) -> None:
+        self._spans = self.optimizer.spans(FUSED_SPAN)
+        with torch.enable_grad():
+            self._accumulators = [[p.view_as(p).grad_fn.next_functions[0][0] for p in span] for span in self._spans]
+        for index, span in enumerate(self._spans):
+            for p in span:
+                self._span_of[p] = index
+                p.register_post_accumulate_grad_hook(self._arrived)
+
+    def _arrived(self, param: torch.nn.Parameter) -> None:
+        """Post-accumulate-grad hook: note the arrival (host only); step the span once every gradient this
+        backward computes for it is here. Which tensors backward reaches is asked of the autograd engine once per
+        update, at the first arrival; a span whose arrivals the engine did not foresee (gradients from a nested,
+        reentrant backward) waits for ``update()``."""
+        if self._expected is None:
+            self._expected = [sum(map(torch._C._will_engine_execute_node, nodes)) for nodes in self._accumulators]
+        span = self._span_of[param]
+        pending = self._pending.setdefault(span, [])
+        pending.append(param)
+        if len(pending) == self._expected[span]:
+            self._step_span(span)
+
+    def _step_span(self, span: int) -> None:
+        """Clip each tensor of the span's arrived gradients, step them together, mask on the device the step of a
+        tensor whose gradient (or the loss) is non-finite, and free the gradients."""
+        params = self._pending.pop(span)
+        grads = [p.grad for p in params]
+        if self.loss_scale is not None:
+            torch._foreach_div_(grads, self.loss_scale.scale)
+        norms = torch.stack(torch._foreach_norm(grads, dtype=torch.float32))
+        finite = torch.isfinite(norms)
+        if self._loss_finite is not None:
+            finite = finite & self._loss_finite
+        square = torch.where(finite, norms.square(), 0.0).sum()
+        self._fused_sq_norm = square if self._fused_sq_norm is None else self._fused_sq_norm + square
+        scale = torch.clamp(self.max_grad_norm / (norms + 1e-6), max=1.0) if self.max_grad_norm > 0 else None
+        host_states = [self._host_state(p) for p in params]
+        self.optimizer.step_span(params, apply=finite, grad_scale=scale)
+        self._fused_steps.append(_FusedStep(params, finite, host_states))
+        for p in params:
+            p.grad = None
+
+    def update(self) -> UpdateResult:
+        """The parameters were stepped inside backward; the read, the undo, the schedule and statistics remain."""
+        for span in list(self._pending):  # spans whose arrivals the engine did not foresee
+            self._step_span(span)
+        self._expected = None
+        steps, self._fused_steps = self._fused_steps, []
+        sq_norm, self._fused_sq_norm = self._fused_sq_norm, None
+        device = self.params[0].device
+        flags = torch.cat([s.applied for s in steps]) if steps else torch.ones(0, dtype=torch.bool, device=device)
+        self._weights_finite = (all_finite(self.params), self.updates + 1)
+        norm = (sq_norm if sq_norm is not None else torch.zeros((), device=device)).sqrt()
+        loss_finite, finite, loss, norm_value, tensor_finite = self._read(flags.all(), norm, flags)
+        self._undo_host_state(steps, tensor_finite)
+        if self.loss_scale is not None:
+            self.loss_scale.update(finite)
+        self._decide(finite, loss_finite)
+        if finite:
+            self._max_norm(self.updates)
+        return UpdateResult(applied=finite, loss=loss, grad_norm=norm_value)
+
+    def _tick(self) -> None:
+        with warnings.catch_warnings():  # torch cannot see step_span calls and warns about the order
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            super()._tick()
+
+    def _undo_host_state(self, steps: list[_FusedStep], applied: list[float]) -> None:
+        """Put back the host-side optimizer state of the tensors whose step was masked on the device (``applied``:
+        the flags of every stepped tensor, in the order of ``steps``)."""
+        flags = iter(applied)
+        for step in steps:
+            undone = [(p, state) for p, state in zip(step.params, step.host_states, strict=True) if not next(flags)]
+            self._put_back([p for p, _ in undone], [state for _, state in undone])
