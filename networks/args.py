@@ -4,6 +4,9 @@ sd-scripts passes ``--network_args k=v ...`` to ``create_network`` as ``**kwargs
 network converts them itself (``networks/lora.py`` ``create_network`` / ``get_block_dims_and_alphas`` /
 ``get_block_lr_weight``). Here every key is converted and range-checked up front: a bad value or an unknown key is a
 ``UserError`` naming the key and what it accepts, where sd-scripts would assert, crash later or silently ignore it.
+The keys every network of this project shares (``SHARED_KEYS``: conv rank/alpha, dropouts, LoRA+ ratios; rank, alpha
+and neuron dropout from the command line) follow one rule each, ``parse_shared_args``; ``networks/flux_args.py`` adds
+FLUX's own keys to it.
 
 Block indices (SD1.x/2.x U-Net, 25 of them): 0 unused, 1-11 down (1 + 3*block + j), 12 mid, 13-24 up. SDXL has 23
 (``networks/families.py``): 9 input, 3 middle and 9 output blocks, with the time embedding before and the output
@@ -23,12 +26,18 @@ from networks.families import SD_BLOCKS, BlockLayout
 
 LR_WEIGHT_PRESETS = ("cosine", "sine", "linear", "reverse_linear", "zeros")
 
-ACCEPTED_KEYS = (
+SHARED_KEYS = (
     "conv_dim",
     "conv_alpha",
     "dropout",
     "rank_dropout",
     "module_dropout",
+    "loraplus_lr_ratio",
+    "loraplus_unet_lr_ratio",
+    "loraplus_text_encoder_lr_ratio",
+)
+ACCEPTED_KEYS = (
+    *SHARED_KEYS,
     "block_dims",
     "block_alphas",
     "conv_block_dims",
@@ -37,9 +46,6 @@ ACCEPTED_KEYS = (
     "mid_lr_weight",
     "up_lr_weight",
     "block_lr_zero_threshold",
-    "loraplus_lr_ratio",
-    "loraplus_unet_lr_ratio",
-    "loraplus_text_encoder_lr_ratio",
 )
 
 
@@ -64,7 +70,8 @@ class LoRAArgs:
     loraplus_text_encoder_lr_ratio: float | None = None
 
 
-def _number(key: str, value: Any) -> float:
+def parse_number(key: str, value: Any) -> float:
+    """A finite number; anything else is a ``UserError`` naming ``key`` and the value."""
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -78,7 +85,7 @@ def parse_probability(key: str, value: Any) -> float | None:
     """A dropout probability in [0, 1); None stays None (no dropout)."""
     if value is None:
         return None
-    p = _number(key, value)
+    p = parse_number(key, value)
     if not 0.0 <= p < 1.0:
         raise UserError(
             f"network_args {key}={value}: must be a probability in [0, 1) (0 = no dropout; 1 would drop everything)"
@@ -86,14 +93,16 @@ def parse_probability(key: str, value: Any) -> float | None:
     return p
 
 
-def _positive(key: str, value: Any) -> float:
-    number = _number(key, value)
+def parse_positive(key: str, value: Any) -> float:
+    """A finite number > 0 (the LoRA+ ratios)."""
+    number = parse_number(key, value)
     if number <= 0:
         raise UserError(f"network_args {key}={value}: must be a number > 0")
     return number
 
 
-def _non_negative_int(key: str, value: Any) -> int:
+def parse_whole_number(key: str, value: Any) -> int:
+    """A whole number >= 0 (ranks; 0 means no module where a network allows it)."""
     text = str(value).strip()
     try:
         number = int(text)
@@ -112,8 +121,8 @@ def _block_list(key: str, value: str, integer: bool, layout: BlockLayout) -> lis
             f"got {len(items)}"
         )
     if integer:
-        return [_non_negative_int(key, s) for s in items]
-    return [_number(key, s) for s in items]
+        return [parse_whole_number(key, s) for s in items]
+    return [parse_number(key, s) for s in items]
 
 
 def _lr_weight_list(key: str, value: str, length: int, presets: bool) -> list[float]:
@@ -121,7 +130,7 @@ def _lr_weight_list(key: str, value: str, length: int, presets: bool) -> list[fl
     text = str(value).strip()
     name, _, base_text = text.partition("+")
     if name in LR_WEIGHT_PRESETS and presets:
-        base = _number(key, base_text) if base_text else 0.0
+        base = parse_number(key, base_text) if base_text else 0.0
         n = length - 1
         curves = {
             "cosine": [math.sin(math.pi * (i / n) / 2) for i in reversed(range(length))],
@@ -151,7 +160,7 @@ def parse_block_lr_weight(kwargs: Mapping[str, Any], layout: BlockLayout = SD_BL
     down, mid, up = (kwargs.get(k) for k in ("down_lr_weight", "mid_lr_weight", "up_lr_weight"))
     if down is None and mid is None and up is None:
         return None
-    threshold = _number("block_lr_zero_threshold", kwargs.get("block_lr_zero_threshold") or 0.0)
+    threshold = parse_number("block_lr_zero_threshold", kwargs.get("block_lr_zero_threshold") or 0.0)
     side, mids = layout.per_side, layout.mid
     parts = [
         _lr_weight_list("down_lr_weight", down, side, True) if down is not None else [1.0] * side,
@@ -172,22 +181,37 @@ def parse_network_args(
     ``dropout=<--network_dropout>`` to the kwargs for LyCORIS. ``None`` values count as not given.
     """
     given = {k: v for k, v in kwargs.items() if v is not None}
-    unknown = [k for k in given if k not in ACCEPTED_KEYS]
-    if unknown:
-        raise UserError(
-            *(
-                f"unknown network_args key {k!r} for networks.lora{did_you_mean(k, ACCEPTED_KEYS)}; "
-                f"accepted: {', '.join(ACCEPTED_KEYS)}"
-                for k in unknown
-            )
-        )
+    check_keys(given, ACCEPTED_KEYS, "networks.lora")
+    args = parse_shared_args(network_dim, network_alpha, neuron_dropout, given)
+    args.block_lr_weight = _block_lr_weight_checked(given, layout)
+    _parse_block_dims(args, given, layout)
+    return args
+
+
+def check_keys(given: Mapping[str, Any], accepted: tuple[str, ...], module: str,
+               refused: Mapping[str, str] | None = None) -> None:
+    """Every key of ``given`` that ``module`` refuses (``refused``: key to the reason) or does not know is named in
+    one ``UserError``, an unknown one with its nearest accepted spelling and the accepted keys."""
+    refused = refused or {}
+    problems = [f"network_args {k}: {refused[k]}" for k in given if k in refused]
+    problems += [f"unknown network_args key {k!r} for {module}{did_you_mean(k, accepted)}; accepted: "
+                 f"{', '.join(accepted)}" for k in given if k not in accepted and k not in refused]
+    if problems:
+        raise UserError(*problems)
+
+
+def parse_shared_args(network_dim: Any, network_alpha: Any, neuron_dropout: Any, given: Mapping[str, Any],
+                      conv_note: str = "") -> LoRAArgs:
+    """The keys every LoRA network of this project reads alike (``SHARED_KEYS``, plus rank, alpha and neuron dropout
+    from the command line), converted into a ``LoRAArgs``; ``conv_note`` ends the message refusing ``conv_alpha``
+    without ``conv_dim`` (a network without conv layers says so there)."""
     args = LoRAArgs()
     if network_dim is not None:
-        args.dim = _non_negative_int("network_dim", network_dim)
+        args.dim = parse_whole_number("network_dim", network_dim)
         if args.dim == 0:
             raise UserError("--network_dim 0: the rank must be at least 1")
     if network_alpha is not None:
-        args.alpha = _number("network_alpha", network_alpha)
+        args.alpha = parse_number("network_alpha", network_alpha)
     args.neuron_dropout = parse_probability("network_dropout", neuron_dropout)
     alias = parse_probability("dropout", given.get("dropout"))
     if alias is not None and args.neuron_dropout is not None and alias != args.neuron_dropout:
@@ -198,15 +222,13 @@ def parse_network_args(
     args.rank_dropout = parse_probability("rank_dropout", given.get("rank_dropout"))
     args.module_dropout = parse_probability("module_dropout", given.get("module_dropout"))
     if "conv_dim" in given:
-        args.conv_dim = _non_negative_int("conv_dim", given["conv_dim"])
-        args.conv_alpha = _number("conv_alpha", given.get("conv_alpha", 1.0))
+        args.conv_dim = parse_whole_number("conv_dim", given["conv_dim"])
+        args.conv_alpha = parse_number("conv_alpha", given.get("conv_alpha", 1.0))
     elif "conv_alpha" in given:
-        raise UserError("network_args conv_alpha needs conv_dim (the rank of the 3x3 conv LoRA) as well")
+        raise UserError(f"network_args conv_alpha needs conv_dim (the rank of the 3x3 conv LoRA) as well{conv_note}")
     for key in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
         if key in given:
-            setattr(args, key, _positive(key, given[key]))
-    args.block_lr_weight = _block_lr_weight_checked(given, layout)
-    _parse_block_dims(args, given, layout)
+            setattr(args, key, parse_positive(key, given[key]))
     return args
 
 

@@ -1,4 +1,5 @@
-"""LoRA key naming and block layout per model family (SD 1.x/2.x, SDXL), as sd-scripts' ``networks/lora.py``.
+"""LoRA key naming and block layout per model family (SD 1.x/2.x, SDXL; FLUX.1 below), as sd-scripts'
+``networks/lora.py``.
 
 * SD 1.x/2.x: U-Net modules are named after the diffusers module path (``lora_unet_down_blocks_0_attentions_0_…``),
   one text encoder ``lora_te_…``; 25 blocks (0 unused, 1-11 down, 12 mid, 13-24 up).
@@ -9,9 +10,11 @@
   (``get_block_index(is_sdxl=True)``): 0 time embedding, 1-9 ``input_blocks`` 0-8, 10-12 ``middle_block`` 0-2,
   13-21 ``output_blocks`` 0-8, 22 out; block LR weights are 9 down + 3 mid + 9 up with 1.0 added at both ends.
 
-The family is told by the U-Net: a diffusers UNet with SDXL's size conditioning (``addition_embed_type ==
-"text_time"``) is SDXL. Our SDXL U-Net is diffusers', so its module paths are mapped onto the original names with
-the same table the single-file loader uses (``networks.unet_names.unet_key_map``).
+FLUX.1's network (``networks/lora_flux.py``) passes its own ``LoRAFamily`` (``networks/flux_targets.py``:
+``lora_te1`` / ``lora_te3``, no U-Net blocks). For the others the family is told by the U-Net: a diffusers UNet with
+SDXL's size conditioning (``addition_embed_type == "text_time"``) is SDXL. Our SDXL U-Net is diffusers', so its module
+paths are mapped onto the original names with the same table the single-file loader uses
+(``networks.unet_names.unet_key_map``).
 """
 
 from __future__ import annotations
@@ -58,13 +61,19 @@ def sdxl_block_index(lora_name: str) -> int:
     return -1
 
 
+def no_block(lora_name: str) -> int:
+    """The block index of a family without U-Net blocks: none (-1) for every name."""
+    return -1
+
+
 @dataclass(frozen=True)
 class LoRAFamily:
-    """What differs between families for a LoRA network: names, prefixes and blocks."""
+    """What differs between families for a LoRA network: names, prefixes and blocks (``blocks`` None: the model has
+    no U-Net blocks, so no block dims or block LR weights)."""
 
     name: str
     text_encoder_prefixes: tuple[str, ...]
-    blocks: BlockLayout
+    blocks: BlockLayout | None
     block_index: Callable[[str], int]
     is_sdxl: bool
 

@@ -2,21 +2,22 @@
 ``create_network`` reads them (values are strings; a boolean is true only for the exact string ``"True"``).
 
 Every key is converted up front; a malformed value or an unknown key is a ``UserError`` naming it (upstream asserts,
-logs a warning and skips, or ignores it). ``ggpo_beta`` / ``ggpo_sigma`` (LoRA-GGPO) are refused: this project's
-LoRA modules have no weight perturbation. ``conv_dim`` / ``conv_alpha`` are accepted as upstream does, and change
-nothing: the FLUX blocks have no Conv2d.
+logs a warning and skips, or ignores it). Rank, alpha, the dropouts, LoRA+ ratios and ``conv_dim`` / ``conv_alpha``
+follow ``networks.args.parse_shared_args``, the rules of ``networks.lora``: ``conv_dim`` is accepted as upstream does
+and changes nothing (the FLUX blocks have no Conv2d), ``conv_alpha`` without ``conv_dim`` is refused. ``ggpo_beta`` /
+``ggpo_sigma`` (LoRA-GGPO) are refused: this project's LoRA modules have no weight perturbation. This module parses
+FLUX's own keys only.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from library.base.errors import UserError, did_you_mean
-from networks.args import LoRAArgs, parse_probability
+from library.base.errors import UserError
+from networks.args import SHARED_KEYS, LoRAArgs, check_keys, parse_number, parse_shared_args, parse_whole_number
 
 TYPE_DIM_KEYS = ("img_attn_dim", "txt_attn_dim", "img_mlp_dim", "txt_mlp_dim", "img_mod_dim", "txt_mod_dim",
                  "single_dim", "single_mod_dim")
@@ -25,10 +26,9 @@ TRAIN_BLOCKS = ("all", "single", "double")
 
 ACCEPTED_KEYS = (
     *TYPE_DIM_KEYS, "in_dims", "train_blocks", "split_qkv", "train_t5xxl", "train_double_block_indices",
-    "train_single_block_indices", "network_reg_dims", "network_reg_lrs", "verbose", "rank_dropout", "module_dropout",
-    "dropout", "conv_dim", "conv_alpha", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
-    "loraplus_text_encoder_lr_ratio",
+    "train_single_block_indices", "network_reg_dims", "network_reg_lrs", "verbose", *SHARED_KEYS,
 )
+CONV_NOTE = "; networks.lora_flux has no conv layers for either to apply to: leave both out"
 REFUSED_KEYS = {
     "ggpo_beta": "LoRA-GGPO (ggpo_beta/ggpo_sigma) is not implemented by this trainer; train without it",
     "ggpo_sigma": "LoRA-GGPO (ggpo_beta/ggpo_sigma) is not implemented by this trainer; train without it",
@@ -51,32 +51,12 @@ class FluxLoRAArgs:
     verbose: bool = False
 
 
-def _int(key: str, value: Any) -> int:
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        raise UserError(f"network_args {key}={value!r}: must be a whole number >= 0") from None
-    if number < 0:
-        raise UserError(f"network_args {key}={value}: must be a whole number >= 0")
-    return number
-
-
-def _float(key: str, value: Any, positive: bool = False) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise UserError(f"network_args {key}={value!r}: not a number") from None
-    if not math.isfinite(number) or (positive and number <= 0):
-        raise UserError(f"network_args {key}={value!r}: must be a finite number{' > 0' if positive else ''}")
-    return number
-
-
 def _in_dims(value: str) -> tuple[int, ...]:
     """``"[4,0,2,0,3]"`` or ``"4,0,2,0,3"``: five ranks for img_in, time_in, vector_in, guidance_in, txt_in."""
     text = str(value).strip()
     if text.startswith("[") and text.endswith("]"):
         text = text[1:-1]
-    dims = tuple(_int("in_dims", item) for item in text.split(","))
+    dims = tuple(parse_whole_number("in_dims", item) for item in text.split(","))
     if len(dims) != len(IN_DIM_NAMES):
         raise UserError(f"network_args in_dims={value!r}: needs 5 ranks ({', '.join(IN_DIM_NAMES)}), got {len(dims)}")
     return dims
@@ -95,7 +75,7 @@ def _regex_pairs(key: str, value: str, integer: bool) -> dict[str, Any]:
             re.compile(pattern.strip())
         except re.error as exc:
             raise UserError(f"network_args {key}: {pattern.strip()!r} is not a regular expression ({exc})") from None
-        pairs[pattern.strip()] = _int(key, number) if integer else _float(key, number)
+        pairs[pattern.strip()] = parse_whole_number(key, number) if integer else parse_number(key, number)
     return pairs
 
 
@@ -117,8 +97,8 @@ def parse_block_selection(key: str, selection: str, total: int) -> list[bool]:
         return selected
     for item in selection.split(","):
         start_text, dash, end_text = item.partition("-")
-        start = _int(key, start_text)
-        end = _int(key, end_text) if dash else start
+        start = parse_whole_number(key, start_text)
+        end = parse_whole_number(key, end_text) if dash else start
         if not start <= end < total:
             raise UserError(f"network_args {key}={selection!r}: {item.strip()} is not a block index or range "
                             f"within 0-{total - 1} (this model has {total} such blocks)")
@@ -127,48 +107,13 @@ def parse_block_selection(key: str, selection: str, total: int) -> list[bool]:
     return selected
 
 
-def _check_keys(given: Mapping[str, Any]) -> None:
-    refused = [f"network_args {k}: {REFUSED_KEYS[k]}" for k in given if k in REFUSED_KEYS]
-    unknown = [f"unknown network_args key {k!r} for networks.lora_flux{did_you_mean(k, ACCEPTED_KEYS)}; accepted: "
-               f"{', '.join(ACCEPTED_KEYS)}" for k in given if k not in ACCEPTED_KEYS and k not in REFUSED_KEYS]
-    if refused or unknown:
-        raise UserError(*refused, *unknown)
-
-
-def _shared_args(network_dim: Any, network_alpha: Any, neuron_dropout: Any, given: Mapping[str, Any]) -> LoRAArgs:
-    """Rank, alpha, dropouts and LoRA+ ratios, into the ``LoRAArgs`` the shared network code reads."""
-    args = LoRAArgs()
-    if network_dim is not None:
-        args.dim = _int("network_dim", network_dim)
-        if args.dim == 0:
-            raise UserError("--network_dim 0: the rank must be at least 1")
-    if network_alpha is not None:
-        args.alpha = _float("network_alpha", network_alpha)
-    args.neuron_dropout = parse_probability("network_dropout", neuron_dropout)
-    alias = parse_probability("dropout", given.get("dropout"))
-    if alias is not None and args.neuron_dropout is not None and alias != args.neuron_dropout:
-        raise UserError(f"network_args dropout={alias} contradicts --network_dropout {args.neuron_dropout}; "
-                        "give only one")
-    args.neuron_dropout = args.neuron_dropout if args.neuron_dropout is not None else alias
-    args.rank_dropout = parse_probability("rank_dropout", given.get("rank_dropout"))
-    args.module_dropout = parse_probability("module_dropout", given.get("module_dropout"))
-    for key in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
-        if key in given:
-            setattr(args, key, _float(key, given[key], positive=True))
-    if "conv_dim" in given:
-        _int("conv_dim", given["conv_dim"])
-    if "conv_alpha" in given:
-        _float("conv_alpha", given["conv_alpha"])
-    return args
-
-
 def parse_flux_network_args(network_dim: Any, network_alpha: Any, neuron_dropout: Any,
                             kwargs: Mapping[str, Any]) -> tuple[LoRAArgs, FluxLoRAArgs]:
     """Convert and check everything ``networks.lora_flux.create_network`` receives; ``None`` values count as not
     given. Block indices are kept as text until the model's block counts are known."""
     given = {k: v for k, v in kwargs.items() if v is not None}
-    _check_keys(given)
-    args = _shared_args(network_dim, network_alpha, neuron_dropout, given)
+    check_keys(given, ACCEPTED_KEYS, "networks.lora_flux", REFUSED_KEYS)
+    args = parse_shared_args(network_dim, network_alpha, neuron_dropout, given, CONV_NOTE)
     flux = FluxLoRAArgs(
         train_blocks=_train_blocks(given.get("train_blocks")),
         split_qkv=given.get("split_qkv") == "True",
@@ -177,7 +122,7 @@ def parse_flux_network_args(network_dim: Any, network_alpha: Any, neuron_dropout
         double_indices=given.get("train_double_block_indices"),
         single_indices=given.get("train_single_block_indices"),
     )
-    type_dims = tuple(_int(k, given[k]) if k in given else None for k in TYPE_DIM_KEYS)
+    type_dims = tuple(parse_whole_number(k, given[k]) if k in given else None for k in TYPE_DIM_KEYS)
     flux.type_dims = None if all(d is None for d in type_dims) else type_dims
     if "in_dims" in given:
         flux.in_dims = _in_dims(given["in_dims"])

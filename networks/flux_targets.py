@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from networks.families import LoRAFamily, no_block
 from networks.flux_args import FluxLoRAArgs, parse_block_selection
 from networks.lora_modules import TEXT_ENCODER_TARGETS, iter_targets, text_model_prefix
 
@@ -35,6 +36,8 @@ IN_FILTERS = ("_img_in", "_time_in", "_vector_in", "_guidance_in", "_txt_in")
 # substrings of the name that select each per-part dim, in flux_args.TYPE_DIM_KEYS order (upstream's ``identifier``)
 TYPE_DIM_IDENTIFIERS = (("img_attn",), ("txt_attn",), ("img_mlp",), ("txt_mlp",), ("img_mod",), ("txt_mod",),
                         ("single_blocks", "linear"), ("modulation",))
+# the LoRA family facts of FLUX.1: CLIP-L and T5-XXL prefixes, no U-Net block layout
+FLUX_LORA_FAMILY = LoRAFamily("flux", (PREFIX_CLIP, PREFIX_T5), None, no_block, False)
 _BLOCK = re.compile(r"^lora_unet_(double|single)_blocks_(\d+)_")
 
 

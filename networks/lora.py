@@ -7,7 +7,7 @@ and ``create_network_from_weights(multiplier, file, vae, text_encoder, unet, wei
 ``on_epoch_start``, ``get_trainable_params``, ``apply_max_norm_regularization``, ``set_multiplier``,
 ``save_weights``; ``is_mergeable`` / ``merge_to`` for ``--base_weights``.
 
-Targets (§9.1): Linear / Conv2d inside ``Transformer2DModel`` (U-Net) and CLIP attention / MLP (text encoder); with
+Targets: Linear / Conv2d inside ``Transformer2DModel`` (U-Net) and CLIP attention / MLP (text encoder); with
 ``conv_dim`` or ``conv_block_dims`` also inside ``ResnetBlock2D`` / ``Downsample2D`` / ``Upsample2D``, where 3x3
 convs get conv_dim/conv_alpha and Linear / 1x1 convs the linear dim/alpha. Keys: ``lora_unet_<path>`` and
 ``lora_te_text_model_<path>`` (``text_model`` kept for transformers 5, whose CLIPTextModel lost that submodule), each
@@ -18,7 +18,7 @@ the two text encoders, 23 blocks for block dims / LR weights. Text encoder learn
 ``prepare_optimizer_params_with_multiple_te_lrs``, so sd-scripts' trainer hands it one value); the trainer's
 extension, one group per encoder, is asked for by passing ``prepare_optimizer_params`` two or more values.
 
-Reading and writing the files (§9.7: atomic, with sd-scripts' ``sshs_model_hash`` / ``sshs_legacy_hash``) is
+Reading and writing the files (atomic, with sd-scripts' ``sshs_model_hash`` / ``sshs_legacy_hash``) is
 ``networks/lora_format.py``; the modules and the search for the layers they wrap are ``networks/lora_modules.py``.
 """
 
@@ -34,8 +34,8 @@ from torch import nn
 
 from library.base.errors import UserError
 from networks.args import LoRAArgs, network_metadata, parse_network_args
-from networks.families import family_of, unet_module_names
-from networks.lora_format import cast_for_saving, load_weights_file, save_weights_file, weights_shapes
+from networks.families import LoRAFamily, family_of, unet_module_names
+from networks.lora_format import cast_for_saving, load_weights_file, module_ranks, save_weights_file
 from networks.lora_modules import (
     TEXT_ENCODER_TARGETS,
     UNET_CONV_TARGETS,
@@ -59,7 +59,8 @@ class LoRANetwork(nn.Module):
     """All LoRA modules of one U-Net + text encoder; modules are registered under their flat ``lora_name``.
 
     Per-module rank/alpha come from ``modules_dim``/``modules_alpha`` (loaded from a file) when given, else from
-    the block dims, else from ``args.dim``/``args.conv_dim``; a rank of 0 creates no module.
+    the block dims, else from ``args.dim``/``args.conv_dim``; a rank of 0 creates no module. ``family`` (names,
+    prefixes, blocks) is told by the U-Net unless given (a subclass for another model passes its own).
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class LoRANetwork(nn.Module):
         args: LoRAArgs | None = None,
         modules_dim: Mapping[str, int] | None = None,
         modules_alpha: Mapping[str, Any] | None = None,
+        family: LoRAFamily | None = None,
     ) -> None:
         super().__init__()
         self.args = args if args is not None else LoRAArgs()
@@ -77,7 +79,7 @@ class LoRANetwork(nn.Module):
         self.block_lr_weight = self.args.block_lr_weight
         self._modules_dim = modules_dim
         self._modules_alpha = modules_alpha or {}
-        self.family = family_of(unet)
+        self.family = family if family is not None else family_of(unet)
         encoders = _text_encoders(text_encoder, len(self.family.text_encoder_prefixes))
         prefixes = self.family.text_encoder_prefixes if len(encoders) > 1 else (LORA_PREFIX_TEXT_ENCODER,)
         self.text_encoder_loras: list[LoRAModule] = []
@@ -244,7 +246,7 @@ class LoRANetwork(nn.Module):
     def apply_max_norm_regularization(
         self, max_norm_value: float, device: torch.device | str, apply: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """sd-scripts §9.6: W = up·down·alpha/rank; norm = max(|W|, max/2); if min(norm, max)/norm != 1, up and down
+        """As sd-scripts: W = up·down·alpha/rank; norm = max(|W|, max/2); if min(norm, max)/norm != 1, up and down
         are each scaled by its square root. Returns (keys scaled, mean norm after, max norm after) as 0-d tensors on
         ``device``: nothing is read on the host (every pair is multiplied, by exactly 1 where no scaling is needed;
         sd-scripts reads each ratio to decide and returns numbers).
@@ -254,7 +256,7 @@ class LoRANetwork(nn.Module):
         does not grow with the modules. |W| is sqrt(<upᵀup, down·downᵀ>) in fp32 (the same Frobenius norm, from
         rank x rank matrices instead of an out x in product); the scaled weights are rounded once into their dtype.
         ``apply`` (a 0-d bool device tensor, or None): where false no module is scaled, without a host read (an
-        update whose step the optimizer skipped on the device, ``library/train/update.py``).
+        update whose step the optimizer skipped on the device, ``library/train/update/deferred.py``).
         """
         groups, inv_rank = self._max_norm_groups(device)
         if not groups:
@@ -366,7 +368,7 @@ def create_network_from_weights(multiplier: float, file: str | os.PathLike[str] 
     absent, as old files), conv modules wherever the file has them. Weights are not loaded here (they may be merged
     instead); ``kwargs`` may carry block LR weights and LoRA+ ratios. ``for_inference`` is accepted for
     compatibility; the modules are the same."""
-    weights_sd, dims, alphas = weights_shapes(file, weights_sd)
+    weights_sd, dims, alphas = module_ranks(file, weights_sd)
     args = parse_network_args(None, None, None, kwargs, layout=family_of(unet).blocks)
     network = LoRANetwork(text_encoder, unet, multiplier=multiplier, args=args, modules_dim=dims, modules_alpha=alphas)
     return network, dict(weights_sd)

@@ -39,6 +39,7 @@ from networks.args import LoRAArgs
 from networks.flux_args import FluxLoRAArgs, parse_flux_network_args
 from networks.flux_groups import part_groups, text_encoder_lrs
 from networks.flux_targets import (
+    FLUX_LORA_FAMILY,
     PREFIX_CLIP,
     PREFIX_FLUX,
     PREFIX_T5,
@@ -51,7 +52,7 @@ from networks.flux_targets import (
     text_encoder_candidates,
 )
 from networks.lora import LoRANetwork
-from networks.lora_format import weights_shapes
+from networks.lora_format import module_ranks
 from networks.lora_modules import LoRAModule
 
 __all__ = ["FluxLoRANetwork", "create_network", "create_network_from_weights"]
@@ -63,7 +64,8 @@ class FluxLoRANetwork(LoRANetwork):
     """The LoRA modules of a FLUX.1 transformer and its text encoders (upstream ``lora_flux.LoRANetwork``).
 
     With ``modules_dim`` (from a file) every candidate layer named there gets that rank and alpha and nothing else
-    does; otherwise ranks follow ``flux_targets.rank_of``.
+    does; otherwise ranks follow ``flux_targets.rank_of``. Its ``family`` is ``flux_targets.FLUX_LORA_FAMILY``
+    (``lora_te1`` / ``lora_te3``, no U-Net blocks), none of SD's.
     """
 
     LORA_PREFIX_FLUX = PREFIX_FLUX
@@ -80,7 +82,7 @@ class FluxLoRANetwork(LoRANetwork):
         modules_dim: Mapping[str, int] | None = None,
         modules_alpha: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(None, None, multiplier=multiplier, args=args)
+        super().__init__(None, None, multiplier=multiplier, args=args, family=FLUX_LORA_FAMILY)
         self.flux_args = flux_args if flux_args is not None else FluxLoRAArgs()
         self.train_t5xxl = self.flux_args.train_t5xxl
         self.split_qkv = self.flux_args.split_qkv
@@ -190,7 +192,7 @@ def create_network_from_weights(multiplier: float, file: str | os.PathLike[str] 
     T5 modules when the file has ``lora_te3_`` keys. Split modules of a ``split_qkv`` file load as plain modules of
     the file's rank, as upstream. Weights are not loaded here; ``kwargs`` may carry LoRA+ ratios and
     ``network_reg_lrs``; ``for_inference`` is accepted for compatibility."""
-    weights_sd, dims, alphas = weights_shapes(file, weights_sd)
+    weights_sd, dims, alphas = module_ranks(file, weights_sd)
     shaping = {k: v for k, v in kwargs.items() if k.startswith("loraplus_") or k == "network_reg_lrs"}
     args, flux_args = parse_flux_network_args(None, None, None, shaping)
     flux_args.train_t5xxl = any(name.startswith(PREFIX_T5 + "_") for name in dims)

@@ -1,7 +1,10 @@
 """The LoRA file format, as sd-scripts' ``networks/lora.py`` and ``library/train_util.py`` read and write it.
 
-Loading: a ``.safetensors`` file, or a torch pickle read with ``weights_only=True`` (plain tensors only).
-Saving (§9.7) is atomic (a temporary sibling, then ``os.replace``); ``.safetensors`` gets the metadata plus
+Loading: a ``.safetensors`` file, or a torch pickle read with ``weights_only=True`` (plain tensors only). One reader
+with one set of rules serves every LoRA file (``--network_weights``, ``--base_weights``,
+``create_network_from_weights``, ``load_weights``): a missing, unreadable or empty file, or one holding anything but
+tensors, is a ``UserError`` naming the file (and the option that gave it) and what is wrong.
+Saving is atomic (a temporary sibling, then ``os.replace``); ``.safetensors`` gets the metadata plus
 ``sshs_model_hash`` / ``sshs_legacy_hash`` as sd-scripts' ``train_util.precalculate_safetensors_hashes``; other
 extensions use ``torch.save``. Tensors are cast for saving (``--save_precision``) by ``cast_for_saving``. The network
 modules (``networks.lora``, ``networks.lora_fa``, ``networks.lycoris_adapter``) and the trainer share these functions.
@@ -11,7 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -19,35 +23,79 @@ import torch
 from library.base.errors import UserError
 from library.base.files import write_bytes_atomic, write_file_atomic
 
-__all__ = ["cast_for_saving", "load_weights_file", "safetensors_hashes", "save_weights_file"]
+__all__ = ["cast_for_saving", "load_weights_file", "module_ranks", "safetensors_hashes", "save_weights_file",
+           "weights_shapes"]
 
 
-def load_weights_file(file: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Tensors of a ``.safetensors`` file, or of a torch pickle (loaded with ``weights_only=True``)."""
+def load_weights_file(file: str | os.PathLike[str], flag: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a LoRA file: a ``.safetensors`` file, or a torch pickle (loaded with ``weights_only=True``)
+    holding a dict of tensors. A file that is missing, unreadable, empty or holding anything but tensors is a
+    ``UserError`` naming it (after ``flag``, the option that gave it, when given) and what is wrong."""
+    path, name = _existing(file, flag)
+    if not path.lower().endswith(".safetensors"):
+        return _load_pickle(path, name)
+    from safetensors.torch import load_file
+
+    with _safetensors_errors(name):
+        return _not_empty(load_file(path), name)
+
+
+def weights_shapes(file: str | os.PathLike[str], flag: str = "") -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape of a LoRA file, by the rules of ``load_weights_file`` (a ``.safetensors``
+    file's header only, so that a pre-load check reads no tensor data)."""
+    path, name = _existing(file, flag)
+    if not path.lower().endswith(".safetensors"):
+        return {key: tuple(value.shape) for key, value in _load_pickle(path, name).items()}
+    from safetensors import safe_open
+
+    with _safetensors_errors(name), safe_open(path, framework="pt") as f:
+        return _not_empty({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}, name)
+
+
+def _existing(file: str | os.PathLike[str], flag: str) -> tuple[str, str]:
+    """The path, and how messages name it (``--network_weights path``)."""
     path = os.fspath(file)
+    name = f"{flag} {path}" if flag else path
     if not os.path.isfile(path):
-        raise UserError(f"network weights file not found: {path}")
-    if path.endswith(".safetensors"):
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        raise UserError(f"{name}: no such file; give a LoRA .safetensors (or .pt/.ckpt) file")
+    return path, name
 
-        try:
-            return load_file(path)
-        except (SafetensorError, OSError) as exc:
-            raise UserError(f"{path}: not a readable .safetensors file ({exc})") from None
+
+@contextmanager
+def _safetensors_errors(name: str) -> Iterator[None]:
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{name}: cannot be read as a .safetensors file ({exc}); it is truncated or not a "
+                        "safetensors file: copy it again, or give another LoRA") from None
+
+
+def _load_pickle(path: str, name: str) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for a bad file
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"{path}: cannot be read as plain tensors ({first}); a pickle that needs more than that "
+        raise UserError(f"{name}: cannot be read as plain tensors ({first}); a pickle that needs more than that "
                         "could run code, so it is not loaded: convert it to .safetensors") from None
-    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
-        raise UserError(f"{path}: holds a {type(loaded).__name__}, not a dict of LoRA tensors")
-    return loaded
+    if not isinstance(loaded, dict):
+        raise UserError(f"{name}: holds a {type(loaded).__name__}, not a dict of LoRA tensors")
+    other = next((key for key, value in loaded.items() if not isinstance(value, torch.Tensor)), None)
+    if other is not None:
+        raise UserError(f"{name}: {other!r} holds a {type(loaded[other]).__name__}, not a tensor: a LoRA file holds "
+                        "tensors only (this may be a training state or another kind of checkpoint)")
+    return _not_empty(loaded, name)
 
 
-def weights_shapes(file: str | os.PathLike[str] | None, weights_sd: Mapping[str, torch.Tensor] | None
-                   ) -> tuple[Mapping[str, torch.Tensor], dict[str, int], dict[str, object]]:
+def _not_empty(weights: dict, name: str) -> dict:
+    if not weights:
+        raise UserError(f"{name}: holds no tensors; give a LoRA .safetensors file")
+    return weights
+
+
+def module_ranks(file: str | os.PathLike[str] | None, weights_sd: Mapping[str, torch.Tensor] | None
+                 ) -> tuple[Mapping[str, torch.Tensor], dict[str, int], dict[str, object]]:
     """A saved LoRA's tensors (read from ``file`` unless given) with each module's rank (its ``lora_down``'s first
     dimension) and alpha (its ``.alpha``; the rank where absent, as old files): what ``create_network_from_weights``
     shapes a network by."""

@@ -1,6 +1,6 @@
 """One LoRA module (sd-scripts ``networks/lora.py`` ``LoRAModule``) and the search for the layers it wraps.
 
-Math (sd-scripts §9.3): ``out = org(x) + up(down(x)) * multiplier * scale`` with ``scale = alpha / rank`` (alpha
+Math (sd-scripts' ``LoRAModule``): ``out = org(x) + up(down(x)) * multiplier * scale``, ``scale = alpha / rank`` (alpha
 None or 0 means alpha = rank). ``down`` is Kaiming-uniform (a = sqrt(5)) and ``up`` zero, so a fresh module changes
 nothing. For a Conv2d the down conv copies the original kernel/stride/padding and the up conv is 1x1.
 
@@ -167,7 +167,7 @@ def iter_targets(
 ) -> Iterator[tuple[str, nn.Linear | nn.Conv2d]]:
     """Yield ``(lora_name, layer)`` for every Linear / Conv2d inside a module whose class name is targeted.
 
-    ``lora_name`` = prefix + "." + module path + "." + child path with "." -> "_" (sd-scripts §9.2).
+    ``lora_name`` = prefix + "." + module path + "." + child path with "." -> "_" (sd-scripts' names).
     ``name_prefix`` is inserted before the module path (``"text_model."`` for a transformers 5 CLIPTextModel,
     which lost that submodule but whose LoRA names keep it); ``rename`` maps the layer's full path first (SDXL's
     original-layout names, ``networks/families.py``).

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,13 +15,11 @@ from library.base.errors import UserError
 from library.config import ModelConfig, NetworkConfig, OptimizerConfig
 from library.families.base import ModelFamily
 from library.families.precision import PrecisionPolicy
-from library.families.sd.family import SDFamily
-from library.families.sd.parts import SDModel
 from library.train.finite import refuse_non_finite
 from networks import NETWORK_MODULE_ALIASES
 from networks.args import network_metadata
 from networks.lora import LoRANetwork
-from networks.lora_format import load_weights_file
+from networks.lora_format import load_weights_file, weights_shapes
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +33,8 @@ def import_network_module(name: str):
                         "or install the package that provides it (lycoris.kohya: pip install lycoris-lora)") from exc
 
 
-def merge_base_weights(cfg: ModelConfig, network_module: str, model: SDModel, policy: PrecisionPolicy,
-                       family: ModelFamily = SDFamily()) -> None:
+def merge_base_weights(cfg: ModelConfig, network_module: str, model: Any, policy: PrecisionPolicy,
+                       family: ModelFamily) -> None:
     """``--base_weights``: merge each file into the frozen UNet / text encoder, as sd-scripts' ``train_network.py``:
     ``--network_module``'s ``create_network_from_weights(multiplier, file, ..., for_inference=True)`` then its
     ``merge_to(text_encoder, unet, weights, dtype, device)``; the i-th file takes the i-th
@@ -60,15 +58,12 @@ def merge_base_weights(cfg: ModelConfig, network_module: str, model: SDModel, po
             network.merge_to(text_encoder, model.unet, weights, policy.frozen_dtype, None)
         except (RuntimeError, ValueError) as exc:
             raise UserError(f"--base_weights {file}: does not fit this model ({exc}); give a LoRA trained on "
-                            "this model type (SD 1.x or 2.x, matching --v2)") from exc
+                            "this model's family and version (with --v2 for SD 2.x)") from exc
     log.info("all base weights merged: %s", ", ".join(cfg.base_weights))
 
 
 def _read_base_weights(file: str) -> dict[str, torch.Tensor]:
-    try:
-        weights = load_weights_file(file)
-    except UserError as exc:  # its messages start with the file's path
-        raise UserError(*(f"--base_weights {message}" for message in exc.messages)) from None
+    weights = load_weights_file(file, "--base_weights")
     refuse_non_finite(weights, f"--base_weights {file}", "merge another file, or train without it")
     return weights
 
@@ -85,25 +80,26 @@ def _check_fits(file: str, network: torch.nn.Module, weights: dict[str, torch.Te
     if not in_file & in_model:
         raise UserError(f"--base_weights {file}: none of its {len(in_file)} modules is a layer of this model "
                         f"(e.g. {min(in_file, default='no tensors')}); give a LoRA file (lora_unet_* / lora_te_* "
-                        "keys) trained on this model type (SD 1.x or 2.x, matching --v2)")
+                        "keys) trained on this model's family and version (with --v2 for SD 2.x)")
     unknown = sorted(in_file - in_model)
     if unknown:
         raise UserError(f"--base_weights {file}: {len(unknown)} of its modules match no layer that "
                         f"--network_module {network_module} targets in this model (e.g. {unknown[0]}); give a LoRA "
-                        "trained on this model type (SD 1.x or 2.x, matching --v2) with that network module")
+                        "trained on this model's family and version (with --v2 for SD 2.x) with that network module")
 
 
 def check_network_weights(cfg: NetworkConfig) -> None:
-    """Refuse a ``--network_weights`` file holding NaN or Inf before any model loads (``UserError``, exit 2); call it
-    after ``weights_shapes``, which names a missing or unreadable file."""
+    """Refuse a ``--network_weights`` file holding NaN or Inf before any model loads (``UserError``, exit 2); a
+    missing or unreadable file is named by the reader, as in ``network_weights_shapes``."""
     if cfg.network_weights:
-        refuse_non_finite(load_weights_file(cfg.network_weights), f"--network_weights {cfg.network_weights}",
+        weights = load_weights_file(cfg.network_weights, "--network_weights")
+        refuse_non_finite(weights, f"--network_weights {cfg.network_weights}",
                           "give the last good file of that run, or train without --network_weights")
 
 
-def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, device: torch.device,
-                  family: ModelFamily = SDFamily()):
-    """Create the network with ``--network_module``'s ``create_network`` and attach it to the models (SDXL: both
+def build_network(cfg: NetworkConfig, model: Any, policy: PrecisionPolicy, device: torch.device,
+                  family: ModelFamily):
+    """Create the network with ``--network_module``'s ``create_network`` and attach it to the models (several
     text encoders, as a list, as sd-scripts passes them)."""
     module = import_network_module(cfg.network_module)
     kwargs = parse_network_args(cfg.network_args)
@@ -122,7 +118,7 @@ def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, d
                                         neuron_dropout=cfg.network_dropout, **kwargs)
     network.apply_to(text_encoder, model.unet, train_te, train_unet)
     if cfg.network_weights:
-        check_weights_fit(cfg, weights_shapes(cfg.network_weights), network, train_te, train_unet)
+        check_weights_fit(cfg, network_weights_shapes(cfg.network_weights), network, train_te, train_unet)
     if cfg.network_weights and not cfg.dim_from_weights:
         info = network.load_weights(cfg.network_weights)
         log.info("loaded network weights from %s: %s", cfg.network_weights, info)
@@ -132,7 +128,7 @@ def build_network(cfg: NetworkConfig, model: SDModel, policy: PrecisionPolicy, d
     return network, train_te
 
 
-def check_rank(network_dim: int | None, model: SDModel, family: ModelFamily = SDFamily()) -> None:
+def check_rank(network_dim: int | None, model: Any, family: ModelFamily) -> None:
     """``networks.lora``: a rank above every layer's min(in, out) adds parameters (and memory, without bound) but no
     expressiveness; sd-scripts allocates it anyway and runs out of memory for a mistyped rank."""
     if network_dim is None:
@@ -147,30 +143,11 @@ def check_rank(network_dim: int | None, model: SDModel, family: ModelFamily = SD
                         "use 4 to 128")
 
 
-def weights_shapes(path: str) -> dict[str, tuple[int, ...]]:
+def network_weights_shapes(path: str) -> dict[str, tuple[int, ...]]:
     """``--network_weights``: every tensor's name and shape, read before any model loads (the header only, for
-    .safetensors); a file that is missing, truncated or not a weights file is a UserError naming it."""
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"--network_weights {path}: no such file; give a LoRA .safetensors (or .pt/.ckpt) file")
-    if file.suffix.lower() == ".safetensors":
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-        except (SafetensorError, OSError) as exc:
-            raise UserError(f"--network_weights {path}: cannot be read as a .safetensors file ({exc}); it is "
-                            "truncated or not a safetensors file: copy it again, or give another LoRA") from None
-    try:
-        loaded = torch.load(str(file), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for a bad file
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"--network_weights {path}: cannot be read as plain tensors ({first}); a pickle that needs "
-                        "more than that could run code, so it is not loaded: convert it to .safetensors") from None
-    if not isinstance(loaded, dict) or not any(isinstance(v, torch.Tensor) for v in loaded.values()):
-        raise UserError(f"--network_weights {path}: holds no tensors; give a LoRA .safetensors file")
-    return {k: tuple(v.shape) for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+    .safetensors) by ``networks.lora_format``'s reader; a file that is missing, unreadable, empty or not a dict of
+    tensors is a UserError naming it and what is wrong."""
+    return weights_shapes(path, "--network_weights")
 
 
 def _examples(keys) -> str:
@@ -190,7 +167,7 @@ def check_weights_fit(cfg: NetworkConfig, shapes: dict[str, tuple[int, ...]], ne
     if not matched:
         raise UserError(f"--network_weights {path}: none of its {len(shapes)} tensors belongs to this network (the "
                         f"file has {_examples(shapes)}; this network has {_examples(own) or 'no modules'}): it is a "
-                        f"LoRA for another model family (SDXL?) or network module than {cfg.network_module}, or no "
+                        f"LoRA for another model family or network module than {cfg.network_module}, or no "
                         "LoRA at all")
     wrong = sorted(k for k in matched if own[k] != shapes[k])
     if wrong:

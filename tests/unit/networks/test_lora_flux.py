@@ -267,11 +267,32 @@ def test_dropouts_reach_every_module():
     ({"in_dims": "[4,4]"}, "5 ranks"),
     ({"img_atn_dim": "4"}, "img_attn_dim"),
     ({"network_reg_dims": "double_blocks"}, "regex=value"),
+    ({"conv_alpha": "4"}, r"conv_alpha needs conv_dim .*networks.lora_flux has no conv layers"),  # as networks.lora
+    ({"loraplus_lr_ratio": "0"}, "loraplus_lr_ratio=0: must be a number > 0"),
 ])
 def test_bad_network_args_are_refused(network_args, message):
     flux, clip, t5 = tiny()
     with pytest.raises(UserError, match=message):
         create_network(1.0, 4, 1.0, None, [clip, t5], flux, **network_args)
+
+
+def test_conv_dim_is_accepted_and_changes_nothing_as_upstream():
+    flux, clip, t5 = tiny()
+    plain = create_network(1.0, 4, 1.0, None, [clip, t5], flux)
+    with_conv = create_network(1.0, 4, 1.0, None, [clip, t5], flux, conv_dim="4", conv_alpha="2")
+    shapes = [{k: v.shape for k, v in network.state_dict().items()} for network in (plain, with_conv)]
+    assert shapes[0] == shapes[1]
+
+
+def test_the_network_carries_flux_family_facts_not_sds():
+    """Upstream's FLUX prefixes: CLIP-L ``lora_te1``, T5-XXL ``lora_te3``; FLUX has no U-Net blocks."""
+    flux, clip, t5 = tiny()
+    for network in (create_network(1.0, 4, 1.0, None, [clip, t5], flux),
+                    FluxLoRANetwork(None, None)):
+        assert network.family.name == "flux"
+        assert network.family.text_encoder_prefixes == ("lora_te1", "lora_te3")
+        assert network.family.blocks is None and not network.family.is_sdxl
+        assert network.family.block_index("lora_unet_double_blocks_0_img_attn_qkv") == -1
 
 
 def test_trainer_protocol_on_tiny_flux():

@@ -18,12 +18,14 @@ from library.base.errors import UserError
 from library.config import ModelConfig, PrecisionConfig
 from library.config.model import model_problems
 from library.families.precision import precision_policy
-from library.tiny_model import build_tiny_sd15
+from library.families.registry import model_family
+from library.families.sd.tiny_files import build_tiny_sd15
 from library.train.network_setup import merge_base_weights
 from networks.lora import create_network
 
 torch.set_num_threads(1)
 POLICY = precision_policy(PrecisionConfig())
+SD = model_family("sd")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,7 @@ def test_merge_equals_the_hand_computed_merge(tiny, tmp_path):
     second = write_lora(tiny, tmp_path / "b.safetensors", 2)
     merged = fresh(tiny)
     merge_base_weights(ModelConfig(base_weights=[str(first), str(second)], base_weights_multiplier=[0.7]),
-                       "networks.lora", merged, POLICY)
+                       "networks.lora", merged, POLICY, SD)
     by_hand = fresh(tiny)
     merge_by_hand(by_hand, first, 0.7)
     merge_by_hand(by_hand, second, 1.0)  # no second multiplier: 1.0
@@ -107,7 +109,7 @@ def test_merge_equals_the_applied_lora(tiny, tmp_path):
     path = write_lora(tiny, tmp_path / "a.safetensors", 4)
     merged = fresh(tiny)
     merge_base_weights(ModelConfig(base_weights=[str(path)], base_weights_multiplier=[0.5]), "networks.lora",
-                       merged, POLICY)
+                       merged, POLICY, SD)
     applied = fresh(tiny)
     network = create_network(0.5, 4, 2, None, applied.text_encoder, applied.unet)
     network.apply_to(applied.text_encoder, applied.unet)
@@ -119,14 +121,14 @@ def test_not_a_lora_file(tiny, tmp_path):
     path = tmp_path / "model.safetensors"
     save_file({"conv_in.weight": torch.zeros(2, 2)}, str(path))
     with pytest.raises(UserError, match=f"--base_weights {path}: none of its 1 modules is a layer"):
-        merge_base_weights(ModelConfig(base_weights=[str(path)]), "networks.lora", fresh(tiny), POLICY)
+        merge_base_weights(ModelConfig(base_weights=[str(path)]), "networks.lora", fresh(tiny), POLICY, SD)
 
 
 def test_unreadable_file(tiny, tmp_path):
     path = tmp_path / "broken.safetensors"
     path.write_bytes(b"not a safetensors file")
-    with pytest.raises(UserError, match=f"--base_weights {path}: not a readable .safetensors file"):
-        merge_base_weights(ModelConfig(base_weights=[str(path)]), "networks.lora", fresh(tiny), POLICY)
+    with pytest.raises(UserError, match=f"--base_weights {path}: cannot be read as a .safetensors file"):
+        merge_base_weights(ModelConfig(base_weights=[str(path)]), "networks.lora", fresh(tiny), POLICY, SD)
 
 
 def test_lora_of_another_architecture(tiny, tmp_path):
@@ -134,7 +136,7 @@ def test_lora_of_another_architecture(tiny, tmp_path):
     save_file({"lora_unet_input_blocks_4_1_proj_in.lora_down.weight": torch.zeros(4, 32),
                "lora_unet_input_blocks_4_1_proj_in.lora_up.weight": torch.zeros(32, 4)}, str(path))
     with pytest.raises(UserError, match="none of its 1 modules is a layer of this model"):
-        merge_base_weights(ModelConfig(base_weights=[str(path)]), "networks.lora", fresh(tiny), POLICY)
+        merge_base_weights(ModelConfig(base_weights=[str(path)]), "networks.lora", fresh(tiny), POLICY, SD)
 
 
 def test_some_modules_unknown(tiny, tmp_path):
@@ -143,7 +145,7 @@ def test_some_modules_unknown(tiny, tmp_path):
     state["lora_unet_input_blocks_4_1_proj_in.lora_down.weight"] = torch.zeros(4, 32)
     save_file(state, str(path))
     with pytest.raises(UserError, match="1 of its modules match no layer.*lora_unet_input_blocks_4_1_proj_in"):
-        merge_base_weights(ModelConfig(base_weights=[str(path)]), "networks.lora", fresh(tiny), POLICY)
+        merge_base_weights(ModelConfig(base_weights=[str(path)]), "networks.lora", fresh(tiny), POLICY, SD)
 
 
 def test_wrong_shapes(tiny, tmp_path):
@@ -152,7 +154,7 @@ def test_wrong_shapes(tiny, tmp_path):
     save_file({f"{name}.lora_down.weight": torch.ones(4, 64), f"{name}.lora_up.weight": torch.ones(64, 4),
                f"{name}.alpha": torch.tensor(4.0)}, str(path))
     with pytest.raises(UserError, match=f"--base_weights {path}: does not fit this model.*{name}"):
-        merge_base_weights(ModelConfig(base_weights=[str(path)]), "networks.lora", fresh(tiny), POLICY)
+        merge_base_weights(ModelConfig(base_weights=[str(path)]), "networks.lora", fresh(tiny), POLICY, SD)
 
 
 def test_missing_file_and_extra_multipliers_are_config_problems(tmp_path):
@@ -182,6 +184,6 @@ def test_lycoris_file_merges_through_its_network_module(tiny, tmp_path):
     path = tmp_path / "locon.safetensors"
     network.save_weights(str(path), None, {})
     merged = fresh(tiny)
-    merge_base_weights(ModelConfig(base_weights=[str(path)]), "lycoris.kohya", merged, POLICY)
+    merge_base_weights(ModelConfig(base_weights=[str(path)]), "lycoris.kohya", merged, POLICY, SD)
     torch.testing.assert_close(unet_output(merged), unet_output(model), rtol=1e-4, atol=1e-5)
     assert not torch.allclose(unet_output(merged), unet_output(tiny), atol=1e-3)
