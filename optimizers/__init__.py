@@ -238,7 +238,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
         name="SPARKLES", factory=ClassFactory("optimizers.sparkles", "SPARKLES"), options=tables.SPARKLES,
         stochastic_rounding="native", sr_default=True, fused_backward=True,
         renames={"stochastic_rounding": "use_stochastic_rounding"},
-        citation="optimizers/sparkles.py: port of rakki194/SPARKLES with decisions (a)-(g) of OPTIMIZERS.md §7.5",
+        citation="optimizers/sparkles.py: port of rakki194/SPARKLES with decisions (a)-(g) of docs/optimizers.md §7.5",
     ),
 }
 

@@ -1,4 +1,4 @@
-"""StochasticAdamW: Torchastic-compatible AdamW with stochastic rounding for bf16 parameters (OPTIMIZERS.md §5).
+"""StochasticAdamW: Torchastic-compatible AdamW with stochastic rounding for bf16 parameters (docs/optimizers.md §5).
 
 Source: lodestone-rock/torchastic 0.1.2 ``AdamW`` (state keys ``step``, ``ema``, ``ema_squared``, so state dicts are
 interchangeable). Per step, in fp32, with the reference's operations (so that with rounding to nearest on both sides

@@ -22,7 +22,7 @@ Step or skip can be decided on the device: ``apply`` (a 0-d bool tensor, or one 
 multiplied into the table's "has a gradient" column, so where it is False the kernels' masked write-backs put every
 weight and state value back as it was (bitwise: a bf16 value rounds to itself), whatever the arithmetic produced (NaN
 included), at no more ops than a step with a missing gradient and without copies of the state. The host-side step
-counters still advance; the caller that reads ``apply`` later puts them back (``library/train/update.py``). Not yet
+counters still advance; the caller that reads ``apply`` later puts them back (``library/train/update/``). Not yet
 covered: a SPARKLES tensor kicked (stepped alone in a second pass) while its ``apply`` is False but its gradient
 finite; a non-finite gradient is never kicked (its kick distance is NaN), so the fused backward pass cannot meet it.
 """

@@ -1,4 +1,4 @@
-"""Compass: AdamW with momentum amplification, native stochastic rounding for bf16 (OPTIMIZERS.md §6).
+"""Compass: AdamW with momentum amplification, native stochastic rounding for bf16 (docs/optimizers.md §6).
 
 Source: lodestone-rock/compass_optimizer ``compass.py`` (defaults after commit ee75ba4: betas (0.99, 0.999), amp_fac 2;
 torchastic.Compass uses amp_fac 5). State keys ``step``, ``ema``, ``ema_squared`` as in Torchastic. Per step, in fp32::

@@ -52,7 +52,7 @@ class ClassFactory:
 
 
 def adafactor_factory(param_groups: list[dict[str, Any]], lr: float | None, options: dict[str, Any]) -> Optimizer:
-    """transformers' Adafactor, configured as kohya does (OPTIMIZERS.md §2.5).
+    """transformers' Adafactor, configured as kohya does (docs/optimizers.md §2.2).
 
     ``relative_step`` defaults to True (kohya; OneTrainer now defaults to False) and ``warmup_init`` forces it on;
     with ``relative_step`` the LR is passed as None and per-group LRs are dropped (the ``adafactor`` schedule drives

@@ -7,7 +7,7 @@ writes ``--optimizer_args="centralization=0.5 normalization=0.5 ..."``) is split
 are part of it, so OneTrainer's spaced names ("Initial D=1e-6") survive.
 
 ``resolve_options`` folds case and spaces ("Safeguard Warmup" -> ``safeguard_warmup``), maps the spellings of seed
-001's "All The Options" onto library keywords (OPTIMIZERS.md §9), combines Beta1/Beta2/Beta3 into ``betas`` where
+001's "All The Options" onto library keywords (docs/optimizers.md §1), combines Beta1/Beta2/Beta3 into ``betas`` where
 the optimizer takes a tuple, and refuses anything the chosen optimizer does not take, listing what it does take.
 """
 

@@ -1,4 +1,4 @@
-"""Stochastic rounding fp32 -> bf16 (OPTIMIZERS.md §3).
+"""Stochastic rounding fp32 -> bf16 (docs/optimizers.md §3).
 
 The add-and-mask trick (Nerogar, pytorch/pytorch#120376): add 16 uniform random bits to the low half of the fp32 bit
 pattern and truncate. A carry into bit 16 happens with probability (low bits)/2^16, so the result is unbiased, is
@@ -13,8 +13,8 @@ CPU code generator from vectorizing the fused kernel (torch 2.13: 3-4x slower); 
 fits where it runs. Two sources of bits:
 * the in-project optimizers and the rounding wrapper use ``element_bits``: a counter-based integer hash
   (``hash32``) of (element index in its tensor, the tensor's step, a per-tensor seed), one stream for all tensors,
-  no generator state: it fuses into the update kernel, is much cheaper than ``randint`` on CPU (ENVIRONMENT.md
-  trap 8) and gives a resumed run exactly the bits of the uninterrupted one;
+  no generator state: it fuses into the update kernel, is much cheaper than ``randint`` on CPU (docs/optimizers.md
+  §3.3) and gives a resumed run exactly the bits of the uninterrupted one;
 * the helpers ``stochastic_round``/``copy_stochastic_``/``add_stochastic_`` draw from a ``torch.Generator``
   (``seeded_generator`` with ``step_seed``) or the global RNG.
 """
@@ -157,7 +157,7 @@ def add_stochastic_(
 ) -> Tensor:
     """``target <- target + alpha * other`` computed in fp32, then rounded into ``target`` (SR when bf16).
 
-    Note §3.4: ``alpha`` scales ``other`` (the right operand), unlike the OneTrainer/adamw-bf16 helpers.
+    docs/optimizers.md §3.4: ``alpha`` scales ``other`` (the right operand), unlike the OneTrainer/adamw-bf16 helpers.
     """
     total = target.to(torch.float32).add(other.to(torch.float32), alpha=alpha)
     return copy_stochastic_(target, total, generator)

@@ -1,6 +1,6 @@
 """SPARKLES: "Stochastic Parameter Adjustment with Randomized Kick for Learning Enhancement Strategy".
 
-Specification: OPTIMIZERS.md §7.
+Specification: docs/optimizers.md §7.
 
 Source: rakki194/SPARKLES ``sparkles.py`` (standalone d0ecadb = rakki194/sd-scripts ``library/optimizers/sparkles.py``
 at a01d510; MIT). Builds on Compass (centralization, momentum amplification, eta = lr/bc1) and Torchastic's SR; the

@@ -1,4 +1,4 @@
-"""Gradient accumulation for bf16 parameters with stochastic rounding (OPTIMIZERS.md §4).
+"""Gradient accumulation for bf16 parameters with stochastic rounding (docs/optimizers.md §4).
 
 Torchastic-compatible (lodestone-rock/torchastic 0.1.2, ``StochasticAccumulator``): a post-accumulate-grad hook moves
 each backward's gradient into ``p.acc_grad`` (first micro-batch: a bf16 copy; later: SR(fp32(acc) + fp32(grad))) and

@@ -1,4 +1,4 @@
-"""Accepted options and their defaults for each optimizer family (library spellings; OPTIMIZERS.md §2, §7.1, §9).
+"""Accepted options and their defaults for each optimizer family (library spellings; docs/optimizers.md §1, §7.1).
 
 Checked against torch 2.13, bitsandbytes 0.50.2, dadaptation 3.2, prodigyopt 1.1.2, transformers 5.24 and
 lion-pytorch 0.2.5 (tests/unit/optimizers/test_registry.py compares them with the installed constructors). Keys

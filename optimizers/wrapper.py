@@ -1,4 +1,4 @@
-"""Generic stochastic-rounding wrapper for optimizers that have no SR of their own (OPTIMIZERS.md §2.8).
+"""Generic stochastic-rounding wrapper for optimizers that have no SR of their own (docs/optimizers.md §2.1).
 
 The wrapped optimizer steps fp32 working copies ("shadows") of the bf16 parameters with its own fp32 state; each
 shadow is then written back into its bf16 parameter with stochastic rounding (``optimizers.rounding``), so updates
