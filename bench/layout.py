@@ -1,4 +1,5 @@
-"""Figures of the code's layout: modules per folder, the longest functions and files, module-level import cycles.
+"""Figures of the code's layout: modules per folder, the longest functions and files, module-level import cycles,
+imports that point up the layers.
 
     python -m bench.layout            # the table (``tests/unit/test_layout.py`` checks the rules on the same graph)
 
@@ -6,6 +7,11 @@ The import graph is read from the source with ``ast``: an edge for every ``impor
 ``library``, ``networks`` or ``optimizers``; a ``from pkg import name`` points at ``pkg`` (whose ``__init__`` runs
 first) and, when ``name`` is a submodule, at it too. ``top_level_only`` keeps the imports that run when the module
 is imported (not those inside functions, nor under ``if TYPE_CHECKING:``), which are the ones that can form a cycle.
+
+``LAYERS`` is the layer order of docs/architecture.md, lowest first: a module may import its own package and the
+packages of lower layers. Packages on one layer import none of each other (none does), so that either could move
+below the other. A module belongs to the longest entry that is its name or a package above it; the commands written as
+modules of ``library/`` (``tiny_model``, the ``report`` package, ``assets``' tokenizer rewriter) are the top layer.
 """
 
 from __future__ import annotations
@@ -16,6 +22,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("library", "networks", "optimizers")
+LAYERS = (
+    ("library",),  # ``library/__init__.py``: it runs before any module of library/
+    ("library.base", "optimizers"),
+    ("networks",),
+    ("library.text", "library.config"),
+    ("library.objectives",),
+    ("library.families",),
+    ("library.data",),
+    ("library.train",),
+    ("library.saving", "library.sampling"),
+    ("library.runtime",),
+    ("library.report", "library.tiny_model", "library.assets"),
+)
 
 
 def modules() -> dict[str, Path]:
@@ -104,6 +123,33 @@ def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(cycles)
 
 
+def layer_of(name: str, layers: tuple[tuple[str, ...], ...] = LAYERS) -> tuple[int, str] | None:
+    """(layer index, package) of module ``name``: the longest entry of ``layers`` that is the name or one of its
+    packages; None when no entry holds it."""
+    found = [(len(entry), index, entry) for index, entries in enumerate(layers) for entry in entries
+             if name == entry or name.startswith(entry + ".")]
+    return max(found)[1:] if found else None
+
+
+def upward_imports(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    """Every edge of ``graph`` that breaks the layering, as "importer -> imported (why)", sorted: into a higher
+    layer, into another package of the same layer, or from or to a module that has no layer."""
+    wrong = []
+    for name, targets in graph.items():
+        for target in targets:
+            source, dest = layer_of(name, layers), layer_of(target, layers)
+            if source is None or dest is None:
+                why = "no layer"
+            elif dest[0] > source[0]:
+                why = f"{source[1]} is below {dest[1]}"
+            elif dest[0] == source[0] and dest[1] != source[1]:
+                why = f"{source[1]} and {dest[1]} share a layer"
+            else:
+                continue
+            wrong.append(f"{name} -> {target} ({why})")
+    return sorted(wrong)
+
+
 def lengths() -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
     """(lines, where) of every function and of every file, longest first."""
     functions, files = [], []
@@ -127,6 +173,9 @@ def main() -> None:
     print("longest files:", *(f"  {n} lines  {where}" for n, where in files[:5]), sep="\n")
     cycles = module_cycles(import_graph(top_level_only=True))
     print(f"module-level import cycles: {len(cycles)}", *(" -> ".join(c) for c in cycles), sep="\n  ")
+    upward = upward_imports(import_graph(top_level_only=False))
+    print(f"imports against the layers (also in functions and under TYPE_CHECKING): {len(upward)}", *upward,
+          sep="\n  ")
 
 
 if __name__ == "__main__":

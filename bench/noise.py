@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from library.config import NoiseConfig  # noqa: E402
-from library.train.noise import sample_noise  # noqa: E402
+from library.objectives.noise import sample_noise  # noqa: E402
 
 OUTPUT = Path(__file__).resolve().parent / "results" / "noise-2026-11-29.png"
 LATENT_SHAPE = (256, 4, 64, 64)

@@ -1,1 +1,1 @@
-"""Sample images during training: prompt files, samplers, text conditioning and drawing."""
+"""Sample images during training: prompt files, samplers and drawing (the text conditioning is the family's)."""

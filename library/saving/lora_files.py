@@ -43,8 +43,8 @@ import torch
 
 from library.base.errors import TrainingDiverged
 from library.base.files import remove_folder
+from library.base.fs_checks import ensure_free_space, ensure_room_for_save, nested_tensor_bytes
 from library.config import SaveConfig
-from library.runtime.fs_checks import ensure_free_space, ensure_room_for_save, nested_tensor_bytes
 from library.saving.metadata import Metadata
 from library.saving.state_file import write_state
 from library.train.finite import describe, floating_tensors, non_finite_names

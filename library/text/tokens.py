@@ -7,7 +7,7 @@ cut it into 2 or 3 chunks of 75, each wrapped as BOS + 75 + the last token of th
 when the caption is short). For SD2 (pad "!" ≠ EOS) a chunk whose last text token is text gets EOS as its closing
 token, and a chunk that starts ``<BOS> <pad>`` gets EOS in position 1.
 
-Sample prompts (``library/sampling/conditioning.py``) are chunked by sd-scripts' lpw pipeline
+Sample prompts (``library/families/sd/sample_conditioning.py``) are chunked by sd-scripts' lpw pipeline
 (``lpw_stable_diffusion.get_unweighted_text_embeddings``) with the same windows over an EOS-padded sequence; for SD2
 its closing token is the token after the window, made EOS unless it is EOS or pad (``closing="next"``). For SD1
 (pad = EOS) both close every chunk with the sequence's last token.

@@ -1,13 +1,10 @@
-"""The one device-to-host read of an update, and host-to-device moves that do not wait.
+"""The one device-to-host read of an update.
 
 On a GPU every read of a device value (``float(t)``, ``bool(t)``, ``.item()``, ``.tolist()``) stalls Python until
 the device has caught up. The loop therefore keeps the values of a training step on the device (loss, gradient
 norm, finite flags, bad-latent flags) and reads all of them at once where the host must decide something: whether
 the optimizer may step. Code that wants to report a device value registers it with ``Readout.defer`` and is called
-back with its number at that read.
-
-A host-to-device move of pageable memory is a sync too (CUDA copies it through a staging buffer and waits);
-``to_device`` copies from pinned memory without blocking (batches come pinned from the DataLoader on CUDA).
+back with its number at that read. (Moves the other way, host to device, are ``library/base/devices.py``.)
 """
 
 from __future__ import annotations
@@ -61,11 +58,3 @@ class Readout:
 
         return finish
 
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``; a CPU tensor goes to CUDA from pinned memory without blocking the host."""
-    if tensor.device == device:
-        return tensor
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
-    return tensor.to(device)

@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 import train_network
+from library.base.devices import to_device
 from library.train.finite import all_finite, non_finite_names
-from library.train.readout import Readout, to_device
+from library.train.readout import Readout
 from tests.e2e.test_loop_syncs import count_syncs
 from tests.e2e.test_train_network import train_args
 

@@ -31,8 +31,8 @@ from library.families.flux.flow import (
     flow_target,
 )
 from library.families.flux.flow_timesteps import sample_noisy_model_input
-from library.train.loss import elementwise_loss
-from library.train.objective import Predict
+from library.objectives.base import Predict
+from library.objectives.loss import elementwise_loss
 
 
 def flow_huber_c(timesteps: torch.Tensor, cfg: LossConfig) -> torch.Tensor:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from library.base.devices import to_device
 from library.families.flux.flow import text_ids
-from library.train.readout import to_device
 
 CLIP_LENGTH = 77
 DEV_T5_LENGTH, SCHNELL_T5_LENGTH = 512, 256

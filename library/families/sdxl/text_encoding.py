@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from library.base.devices import to_device
 from library.text.tokens import CHUNK, apply_token_weights, num_chunks, tokenize, tokenize_with_weights
-from library.train.readout import to_device
 
 if TYPE_CHECKING:
     import torch

@@ -1,4 +1,4 @@
-"""Noise, timesteps and targets (library/train/noise.py) against sd-scripts' formulas.
+"""Noise, timesteps and targets (library/objectives/noise.py) against sd-scripts' formulas.
 
 Expected values are recomputed here: ᾱ from the DDPM betas with numpy, random draws by replaying a generator seeded
 like the one under test (in the documented draw order), spectra with numpy's FFT.
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from library.config import NoiseConfig
-from library.train.noise import (
+from library.objectives.noise import (
     apply_zero_terminal_snr,
     noisy_latents,
     offset_noise,
@@ -340,7 +340,7 @@ def test_zero_terminal_snr_rescales_the_noising_but_not_the_weighting_snr():
     # sd-scripts' get_noise_scheduler: prepare_scheduler_for_custom_training (all_snr) first, then the rescale, so
     # add_noise reaches pure noise at t = 999 while all_snr keeps the original ᾱ / (1 - ᾱ).
     diffusers = pytest.importorskip("diffusers")
-    from library.train.noise import loss_weight_snr
+    from library.objectives.noise import loss_weight_snr
 
     sched = diffusers.DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                     num_train_timesteps=1000, clip_sample=False)

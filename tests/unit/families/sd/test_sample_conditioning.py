@@ -1,4 +1,4 @@
-"""Sample-prompt text conditioning (``library/sampling/conditioning.py``).
+"""Sample-prompt text conditioning (``library/families/sd/sample_conditioning.py``).
 
 The attention syntax is parsed by ``library/text/weights.py`` (tested in test_prompt_weights.py); token layouts
 are written out by hand from ``pad_tokens_and_weights`` /
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.sampling.conditioning import (
+from library.families.sd.sample_conditioning import (
     chunk_count,
     chunk_ids,
     chunk_weights,
@@ -56,7 +56,7 @@ def test_weights_sit_at_their_tokens():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from library.tiny_model import build_tiny_sd15
+    from library.families.sd.tiny_files import build_tiny_sd15
 
     return build_tiny_sd15()
 

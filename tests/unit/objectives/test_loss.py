@@ -1,4 +1,4 @@
-"""Loss functions, Huber schedules and SNR weightings (library/train/loss.py) against hand-computed values.
+"""Loss functions, Huber schedules and SNR weightings (library/objectives/loss.py) against hand-computed values.
 
 ᾱ and the SNR are recomputed here from the DDPM betas with numpy (float64); the code under test receives the same ᾱ
 and SNR table as float32 tensors, as it gets them from a diffusers scheduler.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from library.config import LossConfig
-from library.train.loss import apply_snr_weights, elementwise_loss, huber_c, per_sample_loss, training_loss
+from library.objectives.loss import apply_snr_weights, elementwise_loss, huber_c, per_sample_loss, training_loss
 
 torch.set_num_threads(1)
 
@@ -186,7 +186,7 @@ def test_training_loss_weights_samples_then_snr_then_means():
 def zero_terminal_scheduler():
     """sd-scripts' training scheduler after ``--zero_terminal_snr`` (``train_network.get_noise_scheduler``)."""
     diffusers = pytest.importorskip("diffusers")
-    from library.train.noise import apply_zero_terminal_snr
+    from library.objectives.noise import apply_zero_terminal_snr
 
     sched = diffusers.DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                     num_train_timesteps=1000, clip_sample=False)
@@ -198,7 +198,7 @@ def test_zero_terminal_snr_keeps_the_original_snr_for_the_weights(zero_terminal_
     # sd-scripts computes all_snr before fix_noise_scheduler_betas_for_zero_terminal_snr, so the weights are those of
     # the original schedule: finite at t = 999 (ε min-SNR 1 since snr < γ there; debiased 1/sqrt(snr) ≈ 14.6),
     # although the rescaled ᾱ is 0 there. Values measured with upstream 48d368fa: 1.0 and 14.6146 at t = 999.
-    from library.train.noise import loss_weight_snr
+    from library.objectives.noise import loss_weight_snr
 
     t = [1, 100, 250, 999]
     table = loss_weight_snr(zero_terminal_scheduler)
@@ -221,7 +221,7 @@ def test_zero_terminal_snr_keeps_the_original_snr_for_the_weights(zero_terminal_
 def test_zero_terminal_snr_huber_c_uses_the_rescaled_schedule(zero_terminal_scheduler):
     # sd-scripts' get_huber_threshold_if_needed reads noise_scheduler.alphas_cumprod, which is rescaled: ᾱ = 0 at
     # t = 999 gives σ = inf and c = huber_c there.
-    from library.train.noise import loss_weight_snr
+    from library.objectives.noise import loss_weight_snr
 
     pred, target = constant_error_batch([1.0])
     cfg = LossConfig(loss_type="smooth_l1", huber_schedule="snr", huber_c=0.1)
