@@ -4,9 +4,9 @@ A single-file SD 1.x / 2.x / SDXL checkpoint (sd-scripts' ``library/model_util.p
 holds the U-Net under ``model.diffusion_model.`` in the original layout (LDM ``openaimodel.UNetModel``, SGM for
 SDXL); sd-scripts' SDXL LoRA names follow the same layout (``networks/lora.py`` on its own SDXL U-Net class). The
 rule is derived from the diffusers model's own parameter names, so one function serves both directions: the
-single-file loader and writer (``library.families.sd.single_file``, ``library.families.sdxl.single_file``) and the
-LoRA names of an SDXL U-Net (``networks.families.unet_module_names``). ``rename_resnet`` and ``map_key`` also serve
-the VAE's key map there.
+single-file loaders and writers (``library.families.ldm_layout``, ``library.families.sd.single_file``,
+``library.families.sdxl.single_file``) and the LoRA names of an SDXL U-Net (``networks.families.unet_module_names``).
+``rename_resnet`` and ``map_key`` also serve the VAE's key map (``library.families.vae_keys``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Run from the repository root::
     python -m library.assets.make_clip_tokenizer oc/open_clip_torch-3.3.0-py3-none-any.whl
 
 It rewrites ``library/assets/clip_tokenizer/`` (SD1.x, pad = ``<|endoftext|>``); SD2.x uses the same files with
-``pad_token="!"`` passed at load time (``library.families.sd.parts.load_tokenizer``).
+``pad_token="!"`` passed at load time (``library.families.tokenizers.load_tokenizer``).
 """
 
 from __future__ import annotations

@@ -284,7 +284,7 @@ class CustomData:
 def build_custom_data(data: DataConfig, *, seed: int, max_token_length: int | None, v2: bool,
                       masked_loss: bool = False) -> CustomData:
     """Import and construct ``--dataset_class`` as sd-scripts does; check its first batch."""
-    from library.families.sd.parts import load_tokenizer
+    from library.families.tokenizers import load_tokenizer
     from library.text.tokens import num_chunks
 
     cls = load_dataset_class(data.dataset_class)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from library.families.sd.parts import load_tokenizer
+from library.families.tokenizers import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +19,6 @@ def tok2():
 
 @pytest.fixture(scope="module")
 def text_encoder():
-    from library.tiny_model import build_tiny_sd15
+    from library.families.sd.tiny_files import build_tiny_sd15
 
     return build_tiny_sd15().text_encoder

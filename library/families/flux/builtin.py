@@ -30,6 +30,7 @@ from library.families.flux.parts import (
     build_t5xxl,
     part_config,
 )
+from library.families.model_parts import seeded
 
 BUILTIN_TINY_FLUX = "builtin:tiny-flux"
 BUILTIN_FLUX_RANDOM = "builtin:flux-random"
@@ -93,8 +94,6 @@ def parse_builtin(name: str) -> BuiltinSpec:
 
 def build_builtin_flux(name: str, seed: int = 0) -> FluxModel:
     """The built-in ``name`` with weights drawn from ``seed``; the caller's RNG state is left untouched."""
-    from library.families.sd.parts import seeded
-
     spec = parse_builtin(name)
     tiny = spec.name == BUILTIN_TINY_FLUX
     configs = TINY_CONFIGS if tiny else REAL_CONFIGS

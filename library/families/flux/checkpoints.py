@@ -23,12 +23,11 @@ from library.base.errors import UserError
 from library.families.flux.diffusers_keys import bfl_to_diffusers, count_blocks, diffusers_to_bfl
 from library.families.flux.model import FluxTransformer
 from library.families.flux.params import DEV, FluxParams
+from library.families.model_files import CONFIG_METADATA_KEY, StateDict, read_state_dict
 
 if TYPE_CHECKING:
     import torch
 
-StateDict = dict[str, "torch.Tensor"]
-CONFIG_METADATA_KEY = "sd_scripts_bf16.config"
 BFL_PREFIX = "model.diffusion_model."
 DIFFUSERS_MARK = "transformer_blocks.0.attn.add_k_proj.bias"
 GUIDANCE_MARKS = ("guidance_in.in_layer.bias", "time_text_embed.guidance_embedder.linear_1.bias")
@@ -68,8 +67,6 @@ def transformer_files(path: Path) -> list[Path]:
 
 def read_files(files: list[Path], *, device: str = "cpu", mmap: bool = True) -> tuple[StateDict, dict[str, str]]:
     """All tensors of ``files`` (each missing or unreadable one named in a ``UserError``) and the first metadata."""
-    from library.families.sd.single_file import read_state_dict
-
     state: StateDict = {}
     metadata: dict[str, str] = {}
     for file in files:

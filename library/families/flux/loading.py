@@ -17,6 +17,7 @@ from library.families.flux.builtin import build_builtin_flux, is_builtin_flux
 from library.families.flux.checkpoints import load_transformer
 from library.families.flux.part_files import SUBFOLDERS, load_ae, load_clip_l, load_t5xxl
 from library.families.flux.parts import FluxModel, assemble
+from library.families.model_files import force_offline
 
 if TYPE_CHECKING:
     import torch
@@ -50,8 +51,6 @@ def load_flux_model(
     ``dtype`` None keeps each file's stored dtype (upstream loads the DiT as stored for ``--fp8_base``); built-ins
     are float32, drawn from ``seed``. ``mmap`` False reads files whole (``--disable_mmap_load_safetensors``).
     """
-    from library.families.sd.parts import force_offline
-
     force_offline()
     given = {"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}
     if is_builtin_flux(path):

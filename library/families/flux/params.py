@@ -1,13 +1,14 @@
 """The FLUX.1 transformer's configuration, as upstream sd-scripts' ``library/flux_models.py`` ``FluxParams`` and its
-``configs["dev"]`` / ``configs["schnell"]`` (BFL's reference values), plus the tiny variant of ``builtin:tiny-flux``.
+``configs["dev"]`` (BFL's reference values, ``DEV``), plus the tiny variant of ``builtin:tiny-flux``.
 
 dev and schnell differ only in ``guidance_embed``: dev is guidance-distilled (a ``guidance_in`` embedder), schnell is
-not. Block counts are read from a checkpoint's keys when loading (``flux_utils.analyze_checkpoint_state``).
+not (a schnell checkpoint or a ``variant=schnell`` built-in turns it off). Block counts are read from a checkpoint's
+keys when loading (``flux_utils.analyze_checkpoint_state``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -46,14 +47,7 @@ class FluxParams:
 
 
 DEV = FluxParams()
-SCHNELL = replace(DEV, guidance_embed=False)
 # builtin:tiny-flux: every real module, tiny widths (head dim 16 = 4 + 6 + 6); text widths of the tiny encoders.
 TINY = FluxParams(
     vec_in_dim=32, context_in_dim=32, hidden_size=32, num_heads=2, depth=2, depth_single_blocks=2, axes_dim=(4, 6, 6)
 )
-
-
-def variant_params(*, schnell: bool, depth: int = DEV.depth, depth_single_blocks: int = DEV.depth_single_blocks,
-                   base: FluxParams = DEV) -> FluxParams:
-    """``base`` as dev (guidance embedder) or schnell, with the given block counts."""
-    return replace(base, guidance_embed=not schnell, depth=depth, depth_single_blocks=depth_single_blocks)

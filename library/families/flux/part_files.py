@@ -5,7 +5,7 @@ upstream sd-scripts' ``library/flux_utils.py`` ``load_clip_l``, ``load_t5xxl`` a
 accepts a diffusers FLUX folder (its ``text_encoder/``, ``text_encoder_2/``, ``vae/``) or a diffusers-named AE.
 
 BFL's AE names are the LDM VAE's (``encoder.down.N.block.M``, ``mid.attn_1.{q,k,v,proj_out}`` as 1x1 convs, no
-quant convs), so the SD family's LDM <-> diffusers VAE map converts them (``library.families.sd.single_file``).
+quant convs), so the shared LDM <-> diffusers VAE map converts them (``library/families/vae_keys.py``).
 Our own files carry their config in the metadata (``CONFIG_METADATA_KEY``), the user's files get the bundled real
 configs; tensors load as stored unless ``dtype`` is given.
 """
@@ -17,15 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from library.base.errors import UserError
-from library.families.flux.checkpoints import CONFIG_METADATA_KEY, fill, read_files
+from library.families.flux.checkpoints import fill, read_files
 from library.families.flux.parts import REAL_CONFIGS, build_ae, build_clip_l, build_t5xxl, part_config
+from library.families.model_files import CONFIG_METADATA_KEY, StateDict
+from library.families.vae_keys import vae_key_map
 
 if TYPE_CHECKING:
     import torch
     from diffusers import AutoencoderKL
     from transformers import CLIPTextModel, T5EncoderModel
 
-StateDict = dict[str, "torch.Tensor"]
 SUBFOLDERS = {"clip_l": "text_encoder", "t5xxl": "text_encoder_2", "ae": "vae"}
 T5_EMBEDDINGS = ("shared.weight", "encoder.embed_tokens.weight")
 
@@ -95,8 +96,6 @@ def load_t5xxl(path: str | Path, *, dtype: torch.dtype | None = None, device: st
 
 def ae_from_bfl(state: StateDict, ae: AutoencoderKL) -> StateDict:
     """BFL / LDM AE tensors in ``ae``'s diffusers names, 1x1-conv attention weights reshaped to Linear."""
-    from library.families.sd.single_file import vae_key_map
-
     targets = ae.state_dict()
     mapping = vae_key_map(list(targets), len(ae.config.block_out_channels))
     return {ours: state[theirs].reshape(targets[ours].shape) for ours, theirs in mapping.items() if theirs in state}
@@ -104,8 +103,6 @@ def ae_from_bfl(state: StateDict, ae: AutoencoderKL) -> StateDict:
 
 def ae_to_bfl(ae: AutoencoderKL) -> StateDict:
     """``ae``'s tensors in BFL names (attention weights as 1x1 convs, as in ``ae.safetensors``)."""
-    from library.families.sd.single_file import vae_key_map
-
     state = ae.state_dict()
     mapping = vae_key_map(list(state), len(ae.config.block_out_channels))
     out = {}

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from library.families.flux.model import FluxTransformer
+from library.families.model_parts import freeze
+from library.families.tokenizers import load_tokenizer
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL
@@ -85,8 +87,6 @@ def build_ae(config: dict) -> AutoencoderKL:
 
 def load_clip_tokenizer() -> CLIPTokenizer:
     """The CLIP-L tokenizer (pad ``<|endoftext|>``, 77 tokens), bundled."""
-    from library.families.sd.parts import load_tokenizer
-
     return load_tokenizer(v2=False)
 
 
@@ -97,12 +97,6 @@ def load_t5_tokenizer() -> T5TokenizerFast:
     if not T5_TOKENIZER_FILE.is_file():
         raise FileNotFoundError(f"bundled T5 tokenizer {T5_TOKENIZER_FILE} is missing; the checkout is incomplete")
     return T5TokenizerFast(tokenizer_file=str(T5_TOKENIZER_FILE))
-
-
-def freeze(module) -> None:
-    """Evaluation mode, no gradients: the frozen base model of LoRA training."""
-    module.eval()
-    module.requires_grad_(False)
 
 
 def assemble(transformer: FluxTransformer, clip_l, t5xxl, ae, *, name: str) -> FluxModel:

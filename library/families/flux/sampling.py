@@ -1,5 +1,6 @@
-"""FLUX.1 sample images: the denoising loop, the text inputs and a pipeline object for ``library/sampling/images.py``,
-as sd-scripts 48d368fa ``library/flux_train_utils.py`` ``sample_image_inference`` and ``denoise`` draw them.
+"""FLUX.1 sample latents: the text inputs and the denoising loop, as sd-scripts 48d368fa
+``library/flux_train_utils.py`` ``sample_image_inference`` and ``denoise`` draw them (``sampling_image.py`` reads the
+prompt's options and decodes the latents).
 
 * Text (``sample_image_inference.encode_prompt``): CLIP-L's pooled output, T5-XXL's states and their ids from
   ``text_encoding.encode_prompts`` (T5 padded to ``--t5xxl_max_token_length``: 512 for dev, 256 for schnell); the
@@ -14,8 +15,7 @@ as sd-scripts 48d368fa ``library/flux_train_utils.py`` ``sample_image_inference`
   No host sync inside the loop: the schedule is a list of Python floats.
 * The result: unpacked latents in the transformer's (scaled and shifted) space; ``sampling_image.py`` decodes them.
 
-FLUX has one sampler (upstream ignores ``--sample_sampler`` / ``--ss`` for FLUX): the pipeline's ``scheduler``
-attribute, which ``images.py`` sets, is accepted and not read.
+FLUX has one sampler (upstream ignores ``--sample_sampler`` / ``--ss`` for FLUX).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from library.families.flux.flow_sampling import (
     timestep_vector,
 )
 
-DEFAULT_SIZE = 512  # sample_image_inference: width / height
 DEFAULT_STEPS = 20  # sample_image_inference: sample_steps, for dev and schnell
 DEFAULT_GUIDANCE = 3.5  # sample_image_inference: guidance_scale (--g), the embedded guidance of dev
 DEFAULT_CFG_SCALE = 1.0  # sample_image_inference: scale (--l); 1.0 turns true CFG and the negative prompt off
@@ -96,12 +95,11 @@ def denoise(transformer: torch.nn.Module, img: torch.Tensor, img_ids: torch.Tens
     return img
 
 
-def flux_sample_conditioning(model: Any, prompt: str, negative: str | None, *, clip_skip: int | None = None,
-                             max_token_length: int | None = None, device: torch.device) -> dict[str, Any]:
-    """The pipeline's text inputs for one sample prompt (``ModelFamily.sample_conditioning``): ``l_pooled``,
-    ``t5_out``, ``txt_ids``, ``t5_attn_mask`` and, with ``negative`` (None: no CFG), ``negative_l_pooled``,
-    ``negative_t5_out``, ``negative_t5_attn_mask`` (upstream reuses the prompt's ``txt_ids``). Each prompt is encoded
-    on its own, as upstream; ``clip_skip`` and ``max_token_length`` do not apply to FLUX."""
+def flux_sample_conditioning(model: Any, prompt: str, negative: str | None, *, device: torch.device) -> dict[str, Any]:
+    """``sample_latents``' text inputs for one sample prompt: ``l_pooled``, ``t5_out``, ``txt_ids``,
+    ``t5_attn_mask`` and, with ``negative`` (None: no CFG), ``negative_l_pooled``, ``negative_t5_out``,
+    ``negative_t5_attn_mask`` (upstream reuses the prompt's ``txt_ids``). Each prompt is encoded on its own, as
+    upstream."""
     from library.families.flux.text_encoding import encode_prompts
 
     masked = getattr(model, "apply_t5_attn_mask", False)
@@ -117,57 +115,26 @@ def flux_sample_conditioning(model: Any, prompt: str, negative: str | None, *, c
     return out
 
 
-@dataclass
-class FluxPipelineOutput:
-    """What the pipeline returns: ``images`` are the latents [1, 16, h/8, w/8] (``output_type="latent"``, the only
-    output type, as ``images.py`` asks for)."""
-
-    images: torch.Tensor
-
-
-class FluxSamplePipeline:
-    """Draws one FLUX sample's latents with the call interface ``library/sampling/images.py`` uses for diffusers'
-    pipelines (``ModelFamily.sample_pipeline``): ``pipe(**flux_sample_conditioning(...), height=, width=,
-    num_inference_steps=, guidance_scale=, generator=, output_type="latent").images``. ``guidance_scale`` is the
-    true-CFG scale (``--l``), ``embedded_guidance_scale`` the guidance embedding (``--g``)."""
-
-    def __init__(self, model: Any, transformer: torch.nn.Module) -> None:
-        self.model = model
-        self.transformer = transformer
-        self.scheduler: Any = None
-        self.progress_bar_config: dict[str, Any] = {}
-
-    def set_progress_bar_config(self, **config: Any) -> None:
-        """Accepted for the diffusers interface; the loop draws no progress bar."""
-        self.progress_bar_config = dict(config)
-
-    def __call__(self, *, l_pooled: torch.Tensor, t5_out: torch.Tensor, txt_ids: torch.Tensor,
-                 t5_attn_mask: torch.Tensor | None = None, negative_l_pooled: torch.Tensor | None = None,
-                 negative_t5_out: torch.Tensor | None = None, negative_t5_attn_mask: torch.Tensor | None = None,
-                 height: int = DEFAULT_SIZE, width: int = DEFAULT_SIZE, num_inference_steps: int = DEFAULT_STEPS,
-                 guidance_scale: float = DEFAULT_CFG_SCALE, embedded_guidance_scale: float = DEFAULT_GUIDANCE,
-                 generator: torch.Generator | None = None, output_type: str = "latent") -> FluxPipelineOutput:
-        """``sample_image_inference`` from the noise to the unpacked latents; sizes rounded down to a multiple of
-        16 (at least 64). True CFG runs when negative inputs are given and ``guidance_scale`` is not 1."""
-        if output_type != "latent":
-            raise ValueError(f"output_type {output_type!r}: the FLUX sample pipeline returns latents only; decode "
-                             "them with library.families.flux.sampling_image.latents_to_pil")
-        device = t5_out.device
-        dtype = self.model.vae.dtype  # upstream's weight_dtype = ae.dtype
-        geometry = sample_geometry(width, height)
-        noise = torch.randn(1, geometry.seq_len, LATENT_CHANNELS * 4, device=device, dtype=dtype,
-                            generator=generator)
-        ids = image_ids(1, geometry.packed_h, geometry.packed_w, device=device, dtype=dtype)
-        text = SampleText(l_pooled, t5_out, txt_ids, t5_attn_mask)
-        negative = None
-        if negative_t5_out is not None and guidance_scale != 1.0:
-            negative = NegativeText(guidance_scale, SampleText(negative_l_pooled, negative_t5_out, txt_ids,
-                                                               negative_t5_attn_mask))
-        timesteps = get_schedule(num_inference_steps, geometry.seq_len, shift=True)
-        packed = denoise(self.transformer, noise, ids, text, timesteps, embedded_guidance_scale, negative)
-        return FluxPipelineOutput(images=unpack_latents(packed, geometry.packed_h, geometry.packed_w))
-
-
-def flux_sample_pipeline(model: Any, unet: torch.nn.Module) -> FluxSamplePipeline:
-    """``ModelFamily.sample_pipeline`` for FLUX: the pipeline over ``unet`` (the uncompiled transformer)."""
-    return FluxSamplePipeline(model, unet)
+def sample_latents(model: Any, transformer: torch.nn.Module, *, l_pooled: torch.Tensor, t5_out: torch.Tensor,
+                   txt_ids: torch.Tensor, t5_attn_mask: torch.Tensor | None = None,
+                   negative_l_pooled: torch.Tensor | None = None, negative_t5_out: torch.Tensor | None = None,
+                   negative_t5_attn_mask: torch.Tensor | None = None, height: int, width: int,
+                   num_inference_steps: int, guidance_scale: float, embedded_guidance_scale: float,
+                   generator: torch.Generator | None) -> torch.Tensor:
+    """``sample_image_inference`` from the noise to the unpacked latents [1, 16, h/8, w/8], denoised by
+    ``transformer`` (the uncompiled one); the text inputs are ``flux_sample_conditioning``'s. Sizes are rounded down
+    to a multiple of 16 (at least 64). ``guidance_scale`` is the true-CFG scale (``--l``): CFG runs when negative
+    inputs are given and it is not 1; ``embedded_guidance_scale`` is the guidance embedding (``--g``)."""
+    device = t5_out.device
+    dtype = model.vae.dtype  # upstream's weight_dtype = ae.dtype
+    geometry = sample_geometry(width, height)
+    noise = torch.randn(1, geometry.seq_len, LATENT_CHANNELS * 4, device=device, dtype=dtype, generator=generator)
+    ids = image_ids(1, geometry.packed_h, geometry.packed_w, device=device, dtype=dtype)
+    text = SampleText(l_pooled, t5_out, txt_ids, t5_attn_mask)
+    negative = None
+    if negative_t5_out is not None and guidance_scale != 1.0:
+        negative = NegativeText(guidance_scale, SampleText(negative_l_pooled, negative_t5_out, txt_ids,
+                                                           negative_t5_attn_mask))
+    timesteps = get_schedule(num_inference_steps, geometry.seq_len, shift=True)
+    packed = denoise(transformer, noise, ids, text, timesteps, embedded_guidance_scale, negative)
+    return unpack_latents(packed, geometry.packed_h, geometry.packed_w)

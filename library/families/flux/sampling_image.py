@@ -4,7 +4,7 @@
 * Options: ``--w``/``--h`` (512, rounded down to a multiple of 16, at least 64), ``--s`` steps (20), ``--g``
   embedded guidance (3.5), ``--l`` true-CFG scale (1.0: no CFG; any other value runs CFG with ``--n``, empty when
   not given), ``--d`` seed. A value the prompt file leaves out takes FLUX's default, not the SD one
-  (``SamplePrompt.options`` says which the file set).
+  (``FluxPrompt.options`` says which the file set).
 * Decoding: ``AE.decode`` of ``latents / 0.3611 + 0.1159`` (BFL's ``AutoEncoder.decode``; with diffusers'
   ``AutoencoderKL`` the scaling and shift come from its config), then ``clamp(-1, 1)`` and
   ``uint8(127.5 * (x + 1))`` (truncated, as upstream's ``astype``). Non-finite pixels become black with a warning
@@ -16,8 +16,9 @@ Call inside ``torch.no_grad()`` and the precision policy's autocast, as upstream
 from __future__ import annotations
 
 import logging
+from collections.abc import Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -26,16 +27,30 @@ from library.families.flux.sampling import (
     DEFAULT_CFG_SCALE,
     DEFAULT_GUIDANCE,
     DEFAULT_STEPS,
-    FluxSamplePipeline,
     flux_sample_conditioning,
+    sample_latents,
 )
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from library.sampling.prompts import SamplePrompt
-
 log = logging.getLogger(__name__)
+
+
+class FluxPrompt(Protocol):
+    """What a FLUX sample reads of one prompt of the prompt file (``library/sampling/prompts.py``'s
+    ``SamplePrompt`` answers it): the texts, the sizes, seed, steps and scale as written, the ``--g`` guidance, and
+    ``options``, the keys the file set."""
+
+    prompt: str
+    negative_prompt: str | None
+    width: int
+    height: int
+    seed: int | None
+    steps: int
+    scale: float
+    guidance_scale: float | None
+    options: Set[str]
 
 
 @dataclass(frozen=True)
@@ -57,8 +72,8 @@ class FluxSampleSettings:
         return self.negative_prompt if self.cfg_scale != 1.0 else None
 
 
-def flux_sample_settings(prompt: SamplePrompt) -> FluxSampleSettings:
-    """A ``SamplePrompt`` read with upstream FLUX's defaults for the options its file left out."""
+def flux_sample_settings(prompt: FluxPrompt) -> FluxSampleSettings:
+    """A prompt read with upstream FLUX's defaults for the options its file left out."""
     given = prompt.options
     geometry = sample_geometry(prompt.width, prompt.height)
     return FluxSampleSettings(
@@ -87,18 +102,18 @@ def pixels_to_pil(pixels: torch.Tensor) -> Image.Image:
 
 
 def latents_to_pil(vae: Any, latents: torch.Tensor) -> Image.Image:
-    """Decode FLUX latents (the pipeline's output) to an RGB PIL image, as ``sample_image_inference``."""
+    """Decode FLUX latents (``sample_latents``' output) to an RGB PIL image, as ``sample_image_inference``."""
     return pixels_to_pil(decode_latents(vae, latents))
 
 
-def flux_sample_image(model: Any, prompt: SamplePrompt, generator: torch.Generator | None, device: torch.device,
+def flux_sample_image(model: Any, prompt: FluxPrompt, generator: torch.Generator | None, device: torch.device,
                       transformer: torch.nn.Module | None = None) -> Image.Image:
     """One sample image of ``prompt`` (text, noise from ``generator``, denoising, decoding); ``transformer``
     defaults to ``model.unet`` (pass the uncompiled one)."""
     settings = flux_sample_settings(prompt)
-    pipe = FluxSamplePipeline(model, model.unet if transformer is None else transformer)
     text = flux_sample_conditioning(model, settings.prompt, settings.negative, device=device)
-    latents = pipe(**text, height=settings.height, width=settings.width, num_inference_steps=settings.steps,
-                   guidance_scale=settings.cfg_scale, embedded_guidance_scale=settings.guidance,
-                   generator=generator).images
+    latents = sample_latents(model, model.unet if transformer is None else transformer, **text,
+                             height=settings.height, width=settings.width, num_inference_steps=settings.steps,
+                             guidance_scale=settings.cfg_scale, embedded_guidance_scale=settings.guidance,
+                             generator=generator)
     return latents_to_pil(model.vae, latents)

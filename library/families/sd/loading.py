@@ -13,18 +13,12 @@ import json
 from pathlib import Path
 
 from library.base.errors import UserError
+from library.families.ddpm_scheduler import build_noise_scheduler
+from library.families.model_files import SUFFIXES, force_offline
+from library.families.model_parts import config_dir, seeded
 from library.families.sd import single_file
-from library.families.sd.parts import (
-    SDModel,
-    assemble,
-    build_from_config,
-    build_noise_scheduler,
-    check_v2_flag,
-    config_dir,
-    force_offline,
-    freeze,
-    seeded,
-)
+from library.families.sd.parts import SDModel, assemble, build_from_config, check_v2_flag
+from library.families.vae_files import replace_vae
 
 BUILTIN_TINY = "builtin:tiny-sd15"
 # Built-in models: name -> bundled config. ``sd15-random`` is the real SD1.5 architecture with random weights,
@@ -87,24 +81,6 @@ def _load_diffusers_folder(path: Path, *, v2: bool, v_parameterization: bool) ->
     )
 
 
-def replace_vae(model: SDModel, vae_path: str) -> None:
-    """``--vae``: a diffusers VAE folder (config.json, or a pipeline folder with vae/) or a single-file VAE."""
-    from diffusers import AutoencoderKL
-
-    path = Path(vae_path)
-    if path.is_dir():
-        subfolder = "vae" if (path / "vae" / "config.json").is_file() else None
-        if subfolder is None and not (path / "config.json").is_file():
-            raise UserError(f"--vae {path}: folder has neither config.json nor vae/config.json; give a diffusers VAE")
-        vae = AutoencoderKL.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
-    elif path.is_file():
-        vae = single_file.load_vae_file(path, model.vae)
-    else:
-        raise UserError(f"--vae {path}: no such file or folder; give a diffusers VAE folder or a .safetensors VAE")
-    freeze(vae)
-    model.vae = vae
-
-
 def load_sd_model(
     path: str, *, v2: bool = False, v_parameterization: bool = False, vae: str | None = None,
     file_device: str = "cpu",
@@ -139,7 +115,7 @@ def _load_path(path: Path, *, v2: bool, v_parameterization: bool, file_device: s
             )
         return _load_diffusers_folder(path, v2=v2, v_parameterization=v_parameterization)
     if path.is_file():
-        if path.suffix.lower() not in single_file.SUFFIXES:
+        if path.suffix.lower() not in SUFFIXES:
             raise UserError(
                 f"--pretrained_model_name_or_path {path}: unknown file type {path.suffix!r}; "
                 f"accepted: {ACCEPTED_FORMS}"

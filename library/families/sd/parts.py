@@ -1,32 +1,28 @@
-"""The pieces every Stable Diffusion 1.x / 2.x loader shares: the model bundle, bundled configs and tokenizer,
-sd-scripts' training noise scheduler, and building parts from a config folder.
+"""The pieces every Stable Diffusion 1.x / 2.x loader shares: the model bundle, the tokenizer cache folder
+(``--tokenizer_cache_dir``), building parts from a config folder and wrapping them with a tokenizer and sd-scripts'
+training noise scheduler (``library/families/ddpm_scheduler.py``).
 
 ``library/families/sd/loading.py`` (which form a path is, and loading it) and ``library/families/sd/single_file.py``
-(the original single-file layout) both build on these; neither imports the other for them.
-
-The noise scheduler is built like sd-scripts' ``train_network.py`` builds it (DDPM, beta 0.00085 → 0.012,
-scaled_linear, 1000 steps, ``clip_sample=False``) whatever the checkpoint's own scheduler says; its
-``prediction_type`` follows ``--v_parameterization``.
+(the original single-file layout) both build on these; neither imports the other for them. What other families
+share with these (bundled configs, seeded weights, freezing, the bundled CLIP tokenizer) is in ``library/families/``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from library.base.errors import UserError
+from library.families.ddpm_scheduler import build_noise_scheduler
+from library.families.model_parts import freeze
+from library.families.tokenizers import CLIP_TOKENIZER, load_tokenizer
 
 if TYPE_CHECKING:
-    import torch
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
-
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
-CONFIGS = ASSETS / "configs"
 
 
 @dataclass
@@ -41,39 +37,6 @@ class SDModel:
     v2: bool
     v_parameterization: bool
     name: str
-
-
-def force_offline() -> None:
-    """Make huggingface_hub, transformers and diffusers refuse any network access in this process."""
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DIFFUSERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ[var] = "1"
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-
-
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Run a block with the CPU RNG seeded to ``seed``, restoring the caller's RNG state afterwards."""
-    import torch
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
-
-
-def config_dir(name: str) -> Path:
-    """The bundled config folder ``library/assets/configs/<name>`` (``sd15``, ``sd2-512``, ``sd2-768-v``, ...)."""
-    path = CONFIGS / name
-    if not path.is_dir():
-        raise FileNotFoundError(f"bundled config {path} is missing; the checkout is incomplete")
-    return path
-
-
-def load_tokenizer(v2: bool) -> CLIPTokenizer:
-    """The bundled CLIP tokenizer; SD2's pads with "!" (id 0) like stabilityai/stable-diffusion-2's tokenizer."""
-    from transformers import CLIPTokenizer
-
-    extra = {"pad_token": "!"} if v2 else {}
-    return CLIPTokenizer.from_pretrained(str(ASSETS / "clip_tokenizer"), **extra)
 
 
 # The hub tokenizers sd-scripts' SdTokenizeStrategy loads; their cache folder is named after them ("/" -> "_").
@@ -126,7 +89,7 @@ def _save_bundled_tokenizer(folder: Path, v2: bool) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        for file in (ASSETS / "clip_tokenizer").iterdir():
+        for file in CLIP_TOKENIZER.iterdir():
             if file.suffix in (".json", ".txt"):
                 shutil.copyfile(file, staging / file.name)
         if v2:
@@ -141,20 +104,6 @@ def _save_bundled_tokenizer(folder: Path, v2: bool) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def build_noise_scheduler(v_parameterization: bool) -> DDPMScheduler:
-    """sd-scripts' training scheduler: DDPM, scaled_linear 0.00085 → 0.012, 1000 steps, no sample clipping."""
-    from diffusers import DDPMScheduler
-
-    return DDPMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        num_train_timesteps=1000,
-        clip_sample=False,
-        prediction_type="v_prediction" if v_parameterization else "epsilon",
-    )
 
 
 def build_from_config(config: Path, *, empty: bool) -> tuple[UNet2DConditionModel, AutoencoderKL, CLIPTextModel]:
@@ -173,11 +122,6 @@ def build_from_config(config: Path, *, empty: bool) -> tuple[UNet2DConditionMode
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(str(config / "vae")))
         text_encoder = CLIPTextModel(CLIPTextConfig.from_json_file(str(config / "text_encoder" / "config.json")))
     return unet, vae, text_encoder
-
-
-def freeze(model: torch.nn.Module) -> None:
-    model.requires_grad_(False)
-    model.eval()
 
 
 def assemble(

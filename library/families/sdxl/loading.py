@@ -10,8 +10,8 @@ Differences from upstream, on purpose: the UNet stays a diffusers ``UNet2DCondit
 to its own ``SdxlUNet2DConditionModel``); LoRA modules still get upstream's original-layout names
 (``networks/families.py``). Both tokenizers are the bundled CLIP BPE tokenizer, as upstream loads them from the hub
 (openai/clip-vit-large-patch14 and laion/CLIP-ViT-bigG-14-laion2B-39B-b160k share the vocabulary); the second one
-pads with id 0 ("!"), as upstream sets ``tokenizer2.pad_token_id = 0``. The training noise scheduler is SD's
-(``build_noise_scheduler``), as upstream's.
+pads with id 0 ("!"), as upstream sets ``tokenizer2.pad_token_id = 0``. The training noise scheduler is SD's, as
+upstream's (``library/families/ddpm_scheduler.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from library.base.errors import UserError
-from library.families.sd.parts import build_noise_scheduler, config_dir, force_offline, seeded
+from library.families.ddpm_scheduler import build_noise_scheduler
+from library.families.model_files import SUFFIXES, force_offline
+from library.families.model_parts import config_dir, seeded
 from library.families.sdxl.parts import SDXLModel, assemble_sdxl, build_sdxl_from_config
 
 if TYPE_CHECKING:
@@ -80,8 +82,8 @@ def load_sdxl_model(path: str, *, vae: str | None = None, disable_mmap: bool = F
     (``--v_parameterization``, v-prediction SDXL models such as NoobAI-XL v-pred): the model predicts velocity and
     the training scheduler says so, as sd-scripts' shared ``train_network.py`` loss for SDXL.
     """
-    from library.families.sd.loading import replace_vae
     from library.families.sdxl import single_file
+    from library.families.vae_files import replace_vae
 
     force_offline()
     if path == BUILTIN_TINY_SDXL:
@@ -96,7 +98,7 @@ def load_sdxl_model(path: str, *, vae: str | None = None, disable_mmap: bool = F
                                 f"a diffusers pipeline; accepted: {SDXL_ACCEPTED_FORMS}")
             model = _load_diffusers_folder(p)
         elif p.is_file():
-            if p.suffix.lower() not in single_file.SUFFIXES:
+            if p.suffix.lower() not in SUFFIXES:
                 raise UserError(f"--pretrained_model_name_or_path {p}: unknown file type {p.suffix!r}; "
                                 f"accepted: {SDXL_ACCEPTED_FORMS}")
             model = single_file.load_sdxl_checkpoint(p, mmap=not disable_mmap)

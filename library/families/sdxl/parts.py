@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from library.families.sd.parts import build_noise_scheduler, freeze, load_tokenizer
+from library.families.ddpm_scheduler import build_noise_scheduler
+from library.families.model_parts import freeze
+from library.families.tokenizers import load_tokenizer
 
 if TYPE_CHECKING:
     import torch

@@ -18,34 +18,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from library.base.errors import UserError
-from library.families.sd.parts import config_dir
-from library.families.sd.single_file import (
-    CONFIG_METADATA_KEY,
-    SUFFIXES,
-    UNET_PREFIX,
-    VAE_PREFIX,
-    StateDict,
-    diffusers_to_openclip,
-    openclip_to_diffusers,
-    read_state_dict,
-    unet_and_vae_to_original,
-    vae_from_ldm,
-)
+from library.families.ldm_layout import UNET_PREFIX, VAE_PREFIX, unet_and_vae_to_original
+from library.families.model_files import CONFIG_METADATA_KEY, StateDict, fill_module, read_state_dict, under_prefix
+from library.families.model_parts import config_dir
+from library.families.openclip_keys import diffusers_to_openclip, openclip_to_diffusers
 from library.families.sdxl.parts import SDXLModel, assemble_sdxl, build_sdxl_from_config
+from library.families.vae_keys import vae_from_ldm
 from networks.unet_names import unet_key_map
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SUFFIXES", "load_sdxl_checkpoint", "save_sdxl_checkpoint", "to_sdxl_single_file_state"]
-
 TE1_PREFIX = "conditioner.embedders.0.transformer."
 TE2_PREFIX = "conditioner.embedders.1.model."
 SDXL_CONFIGS = ("sdxl", "tiny-sdxl")
-
-
-def _strip(state: StateDict, prefix: str) -> StateDict:
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def detect_sdxl_config(path: Path, state: StateDict, metadata: dict[str, str]) -> str:
@@ -82,21 +68,11 @@ def te2_to_openclip(state: StateDict, num_layers: int) -> StateDict:
 
 
 def _load_into(module: torch.nn.Module, state: StateDict, what: str, path: Path) -> None:
+    """``fill_module`` in float32 with the messages of an SDXL file."""
     import torch
 
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise UserError(f"{path}: {what} weights missing from the checkpoint ({len(missing)}, e.g. {missing[0]}); "
-                        "the file is truncated or not an SDXL model")
-    ready = {}
-    for key, target in expected.items():
-        tensor = state[key]
-        if tensor.numel() != target.numel():
-            raise UserError(f"{path}: {what} tensor {key} has shape {tuple(tensor.shape)}, the model expects "
-                            f"{tuple(target.shape)}; is it an SDXL 1.0-shaped model?")
-        ready[key] = tensor.reshape(target.shape).to(torch.float32)
-    module.load_state_dict(ready, strict=True, assign=True)
+    fill_module(module, state, path, what, torch.float32, model="an SDXL model",
+                shape_hint="is it an SDXL 1.0-shaped model?")
 
 
 def load_sdxl_checkpoint(path: Path, *, mmap: bool = True) -> SDXLModel:
@@ -104,15 +80,15 @@ def load_sdxl_checkpoint(path: Path, *, mmap: bool = True) -> SDXLModel:
     state, metadata = read_state_dict(path, mmap=mmap)
     name = detect_sdxl_config(path, state, metadata)
     unet, vae, te1, te2 = build_sdxl_from_config(config_dir(name), empty=True)
-    unet_state = _strip(state, UNET_PREFIX)
+    unet_state = under_prefix(state, UNET_PREFIX)
     unet_map = unet_key_map(list(unet.state_dict()), unet.config.layers_per_block)
     _load_into(unet, {ours: unet_state[theirs] for ours, theirs in unet_map.items() if theirs in unet_state},
                "UNet", path)
-    _load_into(vae, vae_from_ldm(_strip(state, VAE_PREFIX), vae), "VAE", path)
-    te1_state = {k.removeprefix("text_model."): v for k, v in _strip(state, TE1_PREFIX).items()}
+    _load_into(vae, vae_from_ldm(under_prefix(state, VAE_PREFIX), vae), "VAE", path)
+    te1_state = {k.removeprefix("text_model."): v for k, v in under_prefix(state, TE1_PREFIX).items()}
     te1_state.pop("embeddings.position_ids", None)
     _load_into(te1, te1_state, "text encoder 1", path)
-    te2_source = _strip(state, TE2_PREFIX)
+    te2_source = under_prefix(state, TE2_PREFIX)
     try:
         te2_state = te2_from_openclip(te2_source, te2.config.num_hidden_layers)
     except KeyError as exc:

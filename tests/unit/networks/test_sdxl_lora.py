@@ -14,7 +14,7 @@ import torch
 from accelerate import init_empty_weights
 
 from library.base.errors import UserError
-from library.families.sd.single_file import UNET_PREFIX
+from library.families.ldm_layout import UNET_PREFIX
 from library.families.sdxl.loading import build_builtin_sdxl
 from library.families.sdxl.single_file import to_sdxl_single_file_state
 from networks import lora

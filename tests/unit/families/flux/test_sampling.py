@@ -24,7 +24,7 @@ from library.families.flux.sampling import (
     SampleText,
     denoise,
     flux_sample_conditioning,
-    flux_sample_pipeline,
+    sample_latents,
 )
 from library.families.flux.sampling_image import flux_sample_image, flux_sample_settings, latents_to_pil
 from library.sampling.prompts import SamplePrompt, load_prompt_file
@@ -89,9 +89,8 @@ def draw_latents(model, seed: int | None, steps: int = 2, size: int = 64, negati
     text = flux_sample_conditioning(model, "a red cube", negative, device=DEVICE)
     generator = torch.Generator(DEVICE).manual_seed(seed) if seed is not None else None
     with torch.no_grad():
-        return flux_sample_pipeline(model, model.unet)(
-            **text, height=size, width=size, num_inference_steps=steps, guidance_scale=cfg,
-            embedded_guidance_scale=guidance, generator=generator, output_type="latent").images
+        return sample_latents(model, model.unet, **text, height=size, width=size, num_inference_steps=steps,
+                              guidance_scale=cfg, embedded_guidance_scale=guidance, generator=generator)
 
 
 # ------------------------------------------------------------------------------------------------- schedule
@@ -151,7 +150,7 @@ def test_cfg_batches_negative_and_positive_in_each_call(model):
     assert [c["batch"] for c in log.calls] == [1, 1, 1]
 
 
-def test_pipeline_is_a_hand_written_euler_integration(model):
+def test_sampling_is_a_hand_written_euler_integration(model):
     steps, seed = 3, 11
     latents = draw_latents(model, seed, steps=steps, guidance=4.0)
     text = flux_sample_conditioning(model, "a red cube", None, device=DEVICE)

@@ -31,7 +31,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from library.config import LossConfig, NoiseConfig
-from library.families.flux.checkpoints import CONFIG_METADATA_KEY
 from library.families.flux.family import FluxFamily, flow_config
 from library.families.flux.flow import image_ids, pack_latents
 from library.families.flux.model import FluxTransformer
@@ -40,6 +39,7 @@ from library.families.flux.params import FluxParams
 from library.families.flux.part_files import load_clip_l, load_t5xxl
 from library.families.flux.parts import REAL_CONFIGS, load_clip_tokenizer, load_t5_tokenizer, part_config
 from library.families.flux.text_encoding import encode_prompts
+from library.families.model_files import CONFIG_METADATA_KEY
 from networks import lora_flux
 
 DATA = Path(__file__).resolve().parents[3] / "data"

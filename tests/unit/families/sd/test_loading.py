@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from library.base.errors import UserError
+from library.families.model_parts import config_dir
 from library.families.sd.loading import load_sd_model
-from library.families.sd.parts import build_from_config, config_dir
-from library.tiny_model import build_tiny_sd15
+from library.families.sd.parts import build_from_config
+from library.families.sd.tiny_files import build_tiny_sd15
 
 torch.set_num_threads(1)
 
@@ -127,7 +128,7 @@ def test_load_exported_folder_and_single_file(exported, tiny):
 
 def test_replace_vae_from_file_and_folder(exported, tmp_path, tiny):
     from library.families.sd.single_file import save_checkpoint
-    from library.tiny_model import save_diffusers_folder
+    from library.families.sd.tiny_files import save_diffusers_folder
 
     other = build_tiny_sd15(seed=7)
     save_checkpoint(other, tmp_path / "other.safetensors")

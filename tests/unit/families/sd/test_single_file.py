@@ -6,9 +6,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from library.families.sd.parts import assemble, build_from_config, config_dir
-from library.families.sd.single_file import CONFIG_METADATA_KEY, load_checkpoint, save_checkpoint, to_single_file_state
-from library.tiny_model import build_tiny_sd15, save_diffusers_folder
+from library.families.model_files import CONFIG_METADATA_KEY
+from library.families.model_parts import config_dir
+from library.families.sd.parts import assemble, build_from_config
+from library.families.sd.single_file import load_checkpoint, save_checkpoint, to_single_file_state
+from library.families.sd.tiny_files import build_tiny_sd15, save_diffusers_folder
 
 torch.set_num_threads(1)
 PARTS = ("unet", "vae", "text_encoder")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from library.base.errors import UserError
+from library.families.model_files import read_state_dict
 from library.families.sd.loading import load_sd_model
-from library.families.sd.single_file import read_state_dict
 from library.families.sdxl.loading import build_builtin_sdxl, load_sdxl_model
 from library.families.sdxl.single_file import TE2_PREFIX, save_sdxl_checkpoint
 
@@ -93,7 +93,7 @@ def test_single_file_round_trip_is_exact(tiny_sdxl_dir, tmp_path):
 def test_each_loader_refuses_the_other_family(tiny_sdxl_dir, tmp_path):
     with pytest.raises(UserError, match="sdxl_train_network.py"):
         load_sd_model(str(tiny_sdxl_dir / "model.safetensors"))
-    from library.tiny_model import write_tiny_model
+    from library.families.sd.tiny_files import write_tiny_model
 
     write_tiny_model(tmp_path / "sd15")
     with pytest.raises(UserError, match="text_encoder_2"):
