@@ -5,7 +5,7 @@
         --output_dir OUT --network_module networks.lora_flux [--fp8_base --blocks_to_swap N ...]
 
 The same trainer as ``train_network.py`` with the FLUX.1 model family selected; the FLUX.1-only flags are in
-``library/config/flux.py``; exit codes as there.
+``library/families/flux/config.py``; exit codes as there.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Train a LoRA for Stable Diffusion 1.x/2.x with kohya sd-scripts' flags.
+"""Train a LoRA for Stable Diffusion 1.x/2.x with kohya sd-scripts' flags. ``main`` is the trainer of every model
+family (``library/families/registry.py``): ``sdxl_train_network.py`` and ``flux_train_network.py`` run it with theirs.
 
     python train_network.py --pretrained_model_name_or_path MODEL --train_data_dir DATA \\
         --resolution 512 --output_dir OUT --network_module networks.lora [--full_bf16 ...]
@@ -38,14 +39,17 @@ def _prints_errors() -> bool:
 
 
 def main(argv: list[str] | None = None, family: str = "sd") -> int:
-    """Run the trainer for ``family`` ("sd": this script; "sdxl": ``sdxl_train_network.py``)."""
+    """Run the trainer for the model family called ``family`` in ``library/families/registry.py`` ("sd": this script;
+    each family's entry script passes its own)."""
     from library.base.errors import Stopped, TrainingDiverged, UserError
     from library.config.cli import parse_args, write_config_file
+    from library.families.registry import FAMILIES
     from library.runtime.console_log import setup_logging
 
     setup_logging()
     try:
-        cfg, explicit = parse_args(sys.argv[1:] if argv is None else argv, family)
+        args = sys.argv[1:] if argv is None else argv
+        cfg, explicit = parse_args(args, FAMILIES[family], list(FAMILIES.values()))
         # --console_log_file is the main process's; the others log their warnings to the console
         setup_logging(cfg.log if _prints_errors() else replace(cfg.log, console_log_file=None))
         if cfg.run.output_config:

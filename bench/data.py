@@ -27,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from library.config import DataConfig  # noqa: E402
 from library.data.dataset import build_train_data  # noqa: E402
+from tests.config_helpers import latent_files  # noqa: E402
+
+SD_FILES = latent_files()  # SD 1.x's latent cache files (suffix _sd, 4 channels)
 
 
 def generate_images(folder: Path, count: int, seed: int) -> None:
@@ -70,7 +73,7 @@ def main() -> int:
         scan = time.perf_counter() - t0
         rates = {w: statistics.median(epoch_rate(data, w) for _ in range(args.runs)) for w in (0, 2)}
 
-        from library.tiny_model import build_tiny_sd15
+        from library.families.sd.tiny_files import build_tiny_sd15
 
         vae = build_tiny_sd15().vae.eval()
 
@@ -82,11 +85,12 @@ def main() -> int:
         cached = build_train_data(cache_config, seed=0)
         t0 = time.perf_counter()
         with torch.no_grad():
-            cached.cache_latents(encode, to_disk=True, vae_id="builtin:tiny-sd15", batch_size=args.batch_size)
+            cached.cache_latents(encode, files=SD_FILES, to_disk=True, vae_id="builtin:tiny-sd15",
+                                 batch_size=args.batch_size)
         cache_cold = time.perf_counter() - t0
         t0 = time.perf_counter()
-        build_train_data(cache_config, seed=0).cache_latents(encode, to_disk=True, vae_id="builtin:tiny-sd15",
-                                                             batch_size=args.batch_size)
+        build_train_data(cache_config, seed=0).cache_latents(encode, files=SD_FILES, to_disk=True,
+                                                             vae_id="builtin:tiny-sd15", batch_size=args.batch_size)
         cache_warm = time.perf_counter() - t0
         cached_rate = statistics.median(epoch_rate(cached, 0) for _ in range(args.runs))
 

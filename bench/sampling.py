@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import library.sampling.images  # noqa: E402
+import library.families.unet_sampling  # noqa: E402
 from library.families.precision import PrecisionPolicy  # noqa: E402
 from library.families.sd.loading import load_sd_model  # noqa: E402
 from library.sampling.images import SampleImages  # noqa: E402
@@ -36,7 +36,7 @@ from networks.lora import create_network  # noqa: E402
 
 FP32 = PrecisionPolicy(torch.float32, torch.float32, torch.float32, None, False)
 DECODE_SECONDS: list[float] = []
-_decode = library.sampling.images.latents_to_image
+_decode = library.families.unet_sampling.latents_to_image
 
 
 def timed_decode(vae, latents):
@@ -47,7 +47,7 @@ def timed_decode(vae, latents):
     return image
 
 
-library.sampling.images.latents_to_image = timed_decode
+library.families.unet_sampling.latents_to_image = timed_decode
 
 
 class NoTracker:

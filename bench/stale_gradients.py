@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from library.config import LossConfig, NoiseConfig  # noqa: E402
 from library.families.precision import PrecisionPolicy  # noqa: E402
-from library.tiny_model import build_tiny_sd15  # noqa: E402
+from library.families.registry import model_family  # noqa: E402
+from library.families.sd.tiny_files import build_tiny_sd15  # noqa: E402
 from library.train.batch_loss import BatchLoss  # noqa: E402
 from networks.lora import create_network  # noqa: E402
 from optimizers import build_optimizer  # noqa: E402
@@ -176,7 +177,7 @@ def train(label: str, seed: int, steps: int, lr: float, warmup: int, rank: int, 
 
     def batch_loss(generator: torch.Generator) -> BatchLoss:
         return BatchLoss(model, network, NoiseConfig(), LossConfig(), policy, torch.device("cpu"), generator,
-                         None, None, False)
+                         None, None, False, model_family("sd"))
 
     train_loss = batch_loss(torch.Generator().manual_seed(seed))
     log = RunLog()

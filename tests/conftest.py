@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_sdxl_dir(tmp_path_factory):
-    from library.tiny_model import write_tiny_sdxl
+    from library.families.sdxl.tiny_files import write_tiny_sdxl
 
     out = tmp_path_factory.mktemp("tiny-sdxl")
     write_tiny_sdxl(out)

@@ -24,7 +24,6 @@ from library.config.run import RunConfig
 from library.config.sample import SampleConfig
 from library.config.save import SaveConfig
 from library.config.schedule import ScheduleConfig
-from library.config.sdxl import SDXLConfig
 from library.config.sections import (
     SECRET_FIELDS,
     SECTION_CLASSES,
@@ -42,7 +41,7 @@ __all__ = [
     "SECRET_FIELDS", "SECTION_CLASSES", "DataConfig", "DistributedConfig", "LogConfig", "LossConfig", "ModelConfig",
     "NetworkConfig",
     "NoiseConfig", "OptimizerConfig", "PrecisionConfig", "RunConfig", "SampleConfig", "SaveConfig",
-    "SDXLConfig", "ScheduleConfig", "TrainConfig", "UnavailableConfig", "ValidationConfig", "all_fields",
+    "ScheduleConfig", "TrainConfig", "UnavailableConfig", "ValidationConfig", "all_fields",
     "family_sections", "field_default", "flag", "from_namespace", "parse_float_pair", "parse_resolution",
     "parse_steps_or_ratio", "public_snapshot", "validate",
 ]

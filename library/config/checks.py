@@ -8,14 +8,12 @@ import logging
 
 from library.base.errors import UserError
 from library.config.data import DataConfig
-from library.config.flux import flux_script_problems
 from library.config.log import LogConfig, read_tracker_config
 from library.config.model import model_problems
 from library.config.network import network_module_problems
 from library.config.precision import precision_problems
 from library.config.ranges import range_problems
-from library.config.sdxl import sdxl_script_problems
-from library.config.sections import TrainConfig, field_default
+from library.config.sections import TrainConfig, all_fields, field_default
 from library.config.unavailable import unavailable_problems
 
 log = logging.getLogger(__name__)
@@ -76,11 +74,6 @@ def _log_problems(cfg: LogConfig) -> list[str]:
     return problems
 
 
-# What bucket_reso_steps must be a multiple of, per model family: each family's ``bucket_step``
-# (library/families/), repeated here because the config package imports no torch.
-BUCKET_STEPS = {"sd": 64, "sdxl": 32, "flux": 32}
-
-
 def _dataset_problems(cfg: TrainConfig) -> list[str]:
     """The problems of the datasets' folders and settings (``--dataset_config``, ``bucket_reso_steps``, ...), to be
     reported with the other problems of the config. Called only when there are others: otherwise the run reads the
@@ -91,14 +84,31 @@ def _dataset_problems(cfg: TrainConfig) -> list[str]:
     if d.dataset_class or not (d.train_data_dir or d.dataset_config or d.in_json):
         return []
     try:
-        load_dataset_specs(d, cfg.loss.masked_loss, BUCKET_STEPS.get(cfg.family, 64))
+        load_dataset_specs(d, cfg.loss.masked_loss, cfg.family.bucket_step)
     except UserError as exc:
         return list(exc.messages)
     return []
 
 
-# What an entry script refuses beyond the checks every script makes, by model family (``TrainConfig.family``).
-SCRIPT_PROBLEMS = {"sdxl": sdxl_script_problems, "flux": flux_script_problems}
+def _is_set(cfg: TrainConfig, name: str) -> bool:
+    """Whether a shared flag asks for something: not its default, nor a value that means "off" (None, False, 0, or
+    the field's own ``off`` values: ``--clip_skip 1``, ``--max_timestep 1000``)."""
+    section, f = all_fields()[name]
+    value = getattr(getattr(cfg, section), name)
+    return value not in (None, False, 0, "", field_default(f), *f.metadata.get("off", ()))
+
+
+def _family_flag_problems(cfg: TrainConfig) -> list[str]:
+    """The shared flags the run's family refuses (each its message), and one warning per reason naming the shared
+    flags it ignores (``FamilySpec.refused_flags`` / ``ignored_flags``)."""
+    family = cfg.family
+    reasons: dict[str, list[str]] = {}
+    for name, why in family.ignored_flags.items():
+        if _is_set(cfg, name):
+            reasons.setdefault(why, []).append(f"--{name}")
+    for why, names in reasons.items():
+        log.warning("%s: no effect on %s training (%s)", ", ".join(names), family.display_name, why)
+    return [message for name, message in family.refused_flags.items() if _is_set(cfg, name)]
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -130,7 +140,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.optimizer.fused_backward_pass and cfg.schedule.gradient_accumulation_steps > 1:
         problems.append("--fused_backward_pass steps each parameter as soon as its gradient exists, so gradients "
                         "cannot be accumulated; use --gradient_accumulation_steps 1 or drop --fused_backward_pass")
-    problems += SCRIPT_PROBLEMS.get(cfg.family, lambda _: [])(cfg)
+    problems += _family_flag_problems(cfg) + cfg.family.script_problems(cfg)
     nz, lo, m = cfg.noise, cfg.loss, cfg.model
     if nz.adaptive_noise_scale is not None and nz.noise_offset is None:
         problems.append("--adaptive_noise_scale adds to the noise offset, so it needs --noise_offset (as in "

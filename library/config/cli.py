@@ -8,10 +8,10 @@ floats for integers. Unlike sd-scripts, an unknown TOML key or flag is an error 
 ignored, and a value of the wrong type is an error naming the file, table and key; the keys that the kohya_ss GUI
 writes without sd-scripts using them are accepted with an info line (``library/config/gui.py``).
 
-One parser per entry script: ``train_network.py`` (SD 1.x/2.x, family "sd"), ``sdxl_train_network.py`` (family
-"sdxl"), which adds the SDXL-only flags (``library/config/sdxl.py``), and ``flux_train_network.py`` (family "flux"),
-which adds the FLUX.1-only flags (``library/config/flux.py``); each script refuses the others' keys in a TOML with
-a message naming the scripts that have them, as for the keys of upstream's other families' scripts.
+One parser per entry script, made from its model family's record (``library.families.spec.FamilySpec``, which the
+entry script passes in: this package imports no family): the shared sections plus the family's own flags
+(``FamilySpec.section``); each script refuses the other families' keys in a TOML with a message naming the scripts
+that have them, as for the keys of upstream's scripts that this trainer does not have.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import logging
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +35,6 @@ log = logging.getLogger(__name__)
 LEGACY_FLAGS = {"caption_extention": "caption_extension"}
 # Legacy optimizer switches (sd-scripts: an error when combined with --optimizer_type).
 LEGACY_OPTIMIZER_FLAGS = {"use_8bit_adam": "AdamW8bit", "use_lion_optimizer": "Lion"}
-
-PROG = "train_network.py"
-# Entry script per model family, what its --help says it trains, and what its config errors say it trains.
-SCRIPTS = {"sd": (PROG, "Train a LoRA for Stable Diffusion 1.x/2.x (kohya sd-scripts flags).", "SD 1.x/2.x LoRAs"),
-           "sdxl": ("sdxl_train_network.py", "Train a LoRA for Stable Diffusion XL (kohya sd-scripts flags).",
-                    "SDXL LoRAs"),
-           "flux": ("flux_train_network.py", "Train a LoRA for FLUX.1 dev / schnell (kohya sd-scripts flags).",
-                    "FLUX.1 LoRAs")}
-# How a key's owner is named in "is an option for ..." (as library/config/gui.py names upstream's scripts).
-FAMILY_NAMES = {"sd": "SD 1.x/2.x", "sdxl": "SDXL", "flux": "FLUX.1"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,11 +65,11 @@ def _kind(f: dataclasses.Field) -> tuple[str, str | None]:
 _CONVERT = {"int": int, "float": float, "str": str}
 
 
-def build_parser(family: str = "sd") -> argparse.ArgumentParser:
-    """The argument parser of ``family``'s script; every default is ``SUPPRESS`` so that explicit flags can be told
-    apart."""
-    prog, description, _ = SCRIPTS[family]
-    parser = _Parser(prog=prog, description=description, argument_default=argparse.SUPPRESS, allow_abbrev=False)
+def build_parser(family: Any) -> argparse.ArgumentParser:
+    """The argument parser of the script of ``family`` (a ``FamilySpec``); every default is ``SUPPRESS`` so that
+    explicit flags can be told apart."""
+    parser = _Parser(prog=family.script, description=family.description, argument_default=argparse.SUPPRESS,
+                     allow_abbrev=False)
     for section, cls in family_sections(family).items():
         group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
         for f in dataclasses.fields(cls):
@@ -164,14 +155,15 @@ def _read_toml(file: Path) -> dict[str, Any]:
         raise UserError(f"{file}: not UTF-8 text; save the file as UTF-8") from None
 
 
-def read_config_file(path: str, family: str = "sd") -> dict[str, Any]:
+def read_config_file(path: str, family: Any, families: Sequence[Any] = ()) -> dict[str, Any]:
     """Read a training-arguments TOML as sd-scripts does (all tables flattened), but strictly.
 
     Unknown keys, keys given in two tables and values of the wrong type are errors that name the file, the table
     and the key; all of them are reported at once. Keys the kohya_ss GUI writes for nothing are accepted with an
-    info line.
+    info line. ``family``: the script's ``FamilySpec``; ``families``: all of them, to name the script that has a key
+    this one lacks.
     """
-    values, file, gui_fields = _read_config(path, family)
+    values, file, gui_fields = _read_config(path, family, families)
     _log_gui_fields(file, gui_fields)
     return values
 
@@ -195,25 +187,22 @@ def _quiet_gui_tracker_fields(values: dict[str, Any], explicit: dict[str, Any], 
             gui_fields.append(key)
 
 
-def _owners(key: str, family: str) -> str | None:
-    """The other scripts that have ``key``: ours first (in ``SCRIPTS`` order), then those of upstream's families
-    that the kohya_ss GUI writes keys for; None when no other script has it."""
-    ours = [f"{FAMILY_NAMES[other]} ({prog})" for other, (prog, _, _) in SCRIPTS.items()
-            if other != family and key in all_fields(other)]
-    here = f"{FAMILY_NAMES[family]} ({SCRIPTS[family][0]})"
-    owners = ours + [name for name, keys in OTHER_FAMILY_KEYS.items()
-                     if key in keys and name not in ours and name != here]
+def _owners(key: str, family: Any, families: Sequence[Any]) -> str | None:
+    """The other scripts that have ``key``: ours first (in ``families`` order), then those of upstream's that the
+    kohya_ss GUI writes keys for; None when no other script has it."""
+    ours = [f"{other.display_name} ({other.script})" for other in families
+            if other.name != family.name and key in all_fields(other)]
+    owners = ours + [name for name, keys in OTHER_FAMILY_KEYS.items() if key in keys]
     if not owners:
         return None
     return owners[0] if len(owners) == 1 else ", ".join(owners[:-1]) + " and " + owners[-1]
 
 
-def _read_config(path: str, family: str) -> tuple[dict[str, Any], Path, list[str]]:
+def _read_config(path: str, family: Any, families: Sequence[Any]) -> tuple[dict[str, Any], Path, list[str]]:
     """``read_config_file`` without the info line: the values, the file, and the GUI-only keys it holds."""
     file = Path(path if path.endswith(".toml") else path + ".toml")
     data = _read_toml(file)
     fields = all_fields(family)
-    prog, _, trains = SCRIPTS[family]
     known = [*fields, *LEGACY_FLAGS, *LEGACY_OPTIMIZER_FLAGS, *GUI_ONLY_KEYS, *GUI_REFUSED_WHEN_SET]
     values: dict[str, Any] = {}
     seen_in: dict[str, str] = {}
@@ -233,9 +222,10 @@ def _read_config(path: str, family: str) -> tuple[dict[str, Any], Path, list[str
                 if value:
                     problems.append(f"{loc} {key} = {value!r}: {GUI_REFUSED_WHEN_SET[name]}")
             elif name not in fields and name not in LEGACY_OPTIMIZER_FLAGS:
-                owner = _owners(key, family)
+                owner = _owners(key, family, families)
                 if owner is not None:
-                    problems.append(f'{loc} "{key}" is an option for {owner}; {prog} trains {trains}')
+                    problems.append(f'{loc} "{key}" is an option for {owner}; {family.script} trains '
+                                    f'{family.trains}')
                 else:
                     problems.append(f'{loc} unknown key "{key}"{did_you_mean(key, known)}')
             elif name in seen_in:
@@ -297,13 +287,15 @@ def write_config_file(path: str, explicit: dict[str, Any]) -> Path:
     return file
 
 
-def parse_args(argv: list[str], family: str = "sd") -> tuple[TrainConfig, dict[str, Any]]:
-    """Parse a kohya command line of ``family``'s script into a ``TrainConfig``; also return the explicitly given
-    values."""
+def parse_args(argv: list[str], family: Any, families: Sequence[Any] = ()) -> tuple[TrainConfig, dict[str, Any]]:
+    """Parse a kohya command line of the script of ``family`` (a ``FamilySpec``) into a ``TrainConfig``; also return
+    the explicitly given values. ``families``: every family's record, to name the script that has a TOML key this
+    one lacks."""
     explicit = vars(build_parser(family).parse_args(argv))
     # With --output_config, --config_file names the file to write (sd-scripts' read_config_from_file): not read.
     reads = explicit.get("config_file") and not explicit.get("output_config")
-    from_file, file, gui_fields = _read_config(explicit["config_file"], family) if reads else ({}, None, [])
+    from_file, file, gui_fields = (_read_config(explicit["config_file"], family, families) if reads
+                                   else ({}, None, []))
     values = {**_defaults(), **from_file, **explicit}
     _quiet_gui_tracker_fields(values, explicit, gui_fields)
     _log_gui_fields(file, gui_fields)

@@ -135,7 +135,20 @@ def _normalise_extension(ext: str | None) -> str | None:
     return ext
 
 
-def _check_values(spec: DatasetSpec, problems: list[str], bucket_step: int) -> None:
+@dataclass(frozen=True)
+class BucketStep:
+    """What ``bucket_reso_steps`` must be a multiple of for the model family, and why (its ``FamilySpec``;
+    upstream's ``verify_bucket_reso_steps``)."""
+
+    multiple: int
+    why: str
+
+
+# A U-Net whose down blocks halve the latent three times (the checks' default when no family is given).
+UNET_BUCKET_STEP = BucketStep(64, "(the UNet halves the latent three times)")
+
+
+def _check_values(spec: DatasetSpec, problems: list[str], bucket_step: BucketStep) -> None:
     """Range checks sd-scripts makes with asserts at dataset construction, as messages; ``bucket_step`` is the model
     family's ``verify_bucket_reso_steps`` multiple (64 for SD 1.x/2.x, 32 for SDXL)."""
     loc = spec.location
@@ -145,11 +158,9 @@ def _check_values(spec: DatasetSpec, problems: list[str], bucket_step: int) -> N
     if spec.batch_size < 1:
         problems.append(f"{loc}: batch_size must be at least 1, got {spec.batch_size}")
     if spec.enable_bucket:
-        if spec.bucket_reso_steps < 1 or spec.bucket_reso_steps % bucket_step != 0:
-            why = ("for SD 1.x/2.x (the UNet halves the latent three times)" if bucket_step == 64
-                   else "for SDXL (the UNet halves the latent twice)")
+        if spec.bucket_reso_steps < 1 or spec.bucket_reso_steps % bucket_step.multiple != 0:
             problems.append(f"{loc}: bucket_reso_steps is {spec.bucket_reso_steps}; it must be a multiple of "
-                            f"{bucket_step} {why}")
+                            f"{bucket_step.multiple} {bucket_step.why}")
         if spec.min_bucket_reso < 1 or spec.max_bucket_reso < spec.min_bucket_reso:
             problems.append(f"{loc}: min_bucket_reso ({spec.min_bucket_reso}) must be positive and not above "
                             f"max_bucket_reso ({spec.max_bucket_reso})")
@@ -207,7 +218,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def parse_config(raw: dict[str, Any], source: str, data: DataConfig, masked_loss: bool = False,
-                 bucket_step: int = 64) -> DatasetGroupSpec:
+                 bucket_step: BucketStep = UNET_BUCKET_STEP) -> DatasetGroupSpec:
     """Validate a loaded dataset config and resolve every value; all problems are raised in one UserError.
 
     ``masked_loss`` (the loss section's ``--masked_loss``) admits datasets with ``conditioning_data_dir``."""
@@ -281,7 +292,8 @@ def _controlnet_subset(fallbacks: list[dict[str, Any]], location: str) -> Subset
     return _subset_from(fallbacks, location, **CONTROLNET_FIXED)
 
 
-def specs_from_cli(data: DataConfig, masked_loss: bool = False, bucket_step: int = 64) -> DatasetGroupSpec:
+def specs_from_cli(data: DataConfig, masked_loss: bool = False,
+                   bucket_step: BucketStep = UNET_BUCKET_STEP) -> DatasetGroupSpec:
     """The single dataset sd-scripts builds from ``--train_data_dir``/``--reg_data_dir`` or ``--in_json``, with the
     mask folders of ``--conditioning_data_dir``."""
     problems: list[str] = []
@@ -338,11 +350,12 @@ def _check_mask_sources(group: DatasetGroupSpec, masked_loss: bool) -> None:
                        "; ".join(unmasked))
 
 
-def load_dataset_specs(data: DataConfig, masked_loss: bool = False, bucket_step: int = 64) -> DatasetGroupSpec:
+def load_dataset_specs(data: DataConfig, masked_loss: bool = False,
+                       bucket_step: BucketStep = UNET_BUCKET_STEP) -> DatasetGroupSpec:
     """Resolve the datasets of a run from ``--dataset_config`` or, without one, from the CLI folder flags.
 
     ``masked_loss`` is the loss section's ``--masked_loss``: it admits mask images and requires a mask source.
-    ``bucket_step``: what ``bucket_reso_steps`` must be a multiple of (the model family's, 64 or SDXL's 32)."""
+    ``bucket_step``: what ``bucket_reso_steps`` must be a multiple of (the model family's ``bucket_step``)."""
     if data.dataset_config is None:
         group = specs_from_cli(data, masked_loss, bucket_step)
     else:

@@ -28,14 +28,11 @@ GUI_REFUSED_WHEN_SET: dict[str, str] = {
                         "supported here; untick \"Train inpainting model\" in the GUI, or remove the key",
 }
 
-# Keys the GUI writes only for model families that train_network.py does not train; a key of several families'
-# scripts (sd-scripts 48d368fa: clip_l, t5xxl, ... of both flux_train_utils.py and sd3_train_utils.py) is listed
-# under each.
+# Keys the GUI writes for the scripts of upstream's that this trainer does not have (the scripts of ours name their
+# own keys: ``FamilySpec.section``); a key of several scripts (sd-scripts 48d368fa: clip_l, t5xxl, ... of both
+# flux_train_utils.py and sd3_train_utils.py) is listed under each.
 OTHER_FAMILY_KEYS: dict[str, tuple[str, ...]] = {
-    "FLUX.1 (flux_train_network.py)": (
-        "ae", "apply_t5_attn_mask", "clip_l", "discrete_flow_shift", "double_blocks_to_swap", "guidance_scale",
-        "mem_eff_save", "model_prediction_type", "model_type", "single_blocks_to_swap", "split_mode", "t5xxl",
-        "t5xxl_max_token_length", "timestep_sampling"),
+    "FLUX.1 fine-tuning (flux_train.py)": ("double_blocks_to_swap", "mem_eff_save", "single_blocks_to_swap"),
     "SD3 (sd3_train_network.py)": (
         "apply_t5_attn_mask", "clip_g", "clip_g_dropout_rate", "clip_l", "clip_l_dropout_rate",
         "enable_scaled_pos_embed", "logit_mean", "logit_std", "mode_scale", "pos_emb_random_crop_rate", "save_clip",
@@ -48,15 +45,4 @@ OTHER_FAMILY_KEYS: dict[str, tuple[str, ...]] = {
         "show_timesteps", "show_timesteps_resolution", "sigmoid_scale", "split_attn", "system_prompt",
         "t5_max_token_length", "t5_tokenizer_path", "text_encoder", "text_encoder_cpu",
         "unsloth_offload_checkpointing", "use_flash_attn", "use_sage_attn", "vae_chunk_size", "vae_disable_cache"),
-    "SDXL (sdxl_train_network.py)": (
-        "cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "disable_mmap_load_safetensors"),
 }
-
-
-def other_family(key: str) -> str | None:
-    """The model families (with their scripts) whose option a GUI key is, when this trainer's script has no such
-    option: "FLUX.1 (flux_train_network.py) and SD3 (sd3_train_network.py)" for ``clip_l``."""
-    owners = [family for family, keys in OTHER_FAMILY_KEYS.items() if key in keys]
-    if not owners:
-        return None
-    return owners[0] if len(owners) == 1 else ", ".join(owners[:-1]) + " and " + owners[-1]

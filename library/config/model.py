@@ -22,7 +22,8 @@ class ModelConfig:
         "DIR/openai_clip-vit-large-patch14 (--v2: DIR/stabilityai_stable-diffusion-2) when that folder exists, "
         "else the bundled one is used and saved there; without the flag the model's own tokenizer folder, else "
         "the bundled one, is used (nothing is downloaded either way)")
-    clip_skip: int | None = flag(None, "use the text encoder's n-th hidden state from the end (2 is common)")
+    clip_skip: int | None = flag(None, "use the text encoder's n-th hidden state from the end (2 is common)",
+                                 extra={"off": (1,)})
     max_token_length: int | None = flag(None, "caption length in tokens: 75 (default), 150 or 225",
                                         parse=parse_optional_int)
     weighted_captions: bool = flag(

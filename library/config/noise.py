@@ -20,4 +20,4 @@ class NoiseConfig:
     ip_noise_gamma_random_strength: bool = flag(False, "draw the input perturbation strength in [0, ip_noise_gamma]")
     zero_terminal_snr: bool = flag(False, "rescale the noise schedule to zero terminal SNR")
     min_timestep: int | None = flag(None, "smallest training timestep (default 0)")
-    max_timestep: int | None = flag(None, "training timesteps below this (default 1000)")
+    max_timestep: int | None = flag(None, "training timesteps below this (default 1000)", extra={"off": (1000,)})

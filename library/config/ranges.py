@@ -23,8 +23,8 @@ SEED_LIMIT = 2**32  # sd-scripts seeds numpy too, which takes 0 .. 2**32 - 1
 def _non_finite(cfg: TrainConfig) -> list[str]:
     """Every float flag (and float list / pair item) must be finite: nan and inf only surface later, as NaN steps."""
     problems = []
-    for section in SECTION_CLASSES:
-        values = getattr(cfg, section)
+    sections = [getattr(cfg, name) for name in SECTION_CLASSES]
+    for values in sections + ([cfg.family_config] if cfg.family_config is not None else []):
         for f in dataclasses.fields(values):
             value = getattr(values, f.name)
             items = value if isinstance(value, (list, tuple)) else [value]

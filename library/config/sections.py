@@ -8,7 +8,6 @@ from typing import Any
 
 from library.config.data import DataConfig
 from library.config.distributed import DistributedConfig
-from library.config.flux import FluxConfig
 from library.config.log import LogConfig
 from library.config.loss import LossConfig
 from library.config.model import ModelConfig
@@ -20,7 +19,6 @@ from library.config.run import RunConfig
 from library.config.sample import SampleConfig
 from library.config.save import SaveConfig
 from library.config.schedule import ScheduleConfig
-from library.config.sdxl import SDXLConfig
 from library.config.unavailable import UnavailableConfig
 from library.config.validation import ValidationConfig
 
@@ -44,15 +42,10 @@ class TrainConfig:
     validation: ValidationConfig
     distributed: DistributedConfig
     unavailable: UnavailableConfig
-    sdxl: SDXLConfig = dataclasses.field(default_factory=SDXLConfig)
-    flux: FluxConfig = dataclasses.field(default_factory=FluxConfig)
-    # the model family the entry script trains: "sd" (train_network.py), "sdxl" or "flux"
-    family: str = "sd"
-
-    def family_section(self) -> Any:
-        """The section only this run's script has (``SDXLConfig``, ``FluxConfig``), None for SD 1.x/2.x."""
-        name = next((section for section, family in FAMILY_SECTIONS.items() if family == self.family), None)
-        return getattr(self, name) if name is not None else None
+    # The entry script's model family: its record (``library.families.spec.FamilySpec``; this package reads it and
+    # imports nothing of the families), and the section of the flags only its script has (None when it has none).
+    family: Any
+    family_config: Any = None
 
 
 # Section name -> class, in the order of ``TrainConfig`` (and of the groups in ``--help``).
@@ -61,19 +54,18 @@ SECTION_CLASSES: dict[str, type] = {
     "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "precision": PrecisionConfig,
     "noise": NoiseConfig, "loss": LossConfig, "save": SaveConfig, "log": LogConfig, "sample": SampleConfig,
     "validation": ValidationConfig, "distributed": DistributedConfig, "unavailable": UnavailableConfig,
-    "sdxl": SDXLConfig, "flux": FluxConfig,
 }
-# Sections whose flags only one model family's script has.
-FAMILY_SECTIONS: dict[str, str] = {"sdxl": "sdxl", "flux": "flux"}
 
 
-def family_sections(family: str) -> dict[str, type]:
-    """The sections whose flags the script of ``family`` ("sd", "sdxl" or "flux") parses."""
-    return {name: cls for name, cls in SECTION_CLASSES.items() if FAMILY_SECTIONS.get(name, family) == family}
+def family_sections(family: Any) -> dict[str, type]:
+    """The sections whose flags the script of ``family`` (a ``FamilySpec``) parses: the shared ones and its own."""
+    own = {family.section_name: family.section} if family.section is not None else {}
+    return {**SECTION_CLASSES, **own}
 
 
-def all_fields(family: str | None = None) -> dict[str, tuple[str, dataclasses.Field]]:
-    """Map every flag name to (section name, dataclass field); with ``family``, only the flags its script has."""
+def all_fields(family: Any = None) -> dict[str, tuple[str, dataclasses.Field]]:
+    """Map every flag name to (section name, dataclass field): the shared flags, and with ``family`` (a
+    ``FamilySpec``) its script's own too."""
     out: dict[str, tuple[str, dataclasses.Field]] = {}
     for section, cls in (SECTION_CLASSES if family is None else family_sections(family)).items():
         for f in dataclasses.fields(cls):
@@ -92,9 +84,11 @@ SECRET_FIELDS = ("wandb_api_key", "huggingface_token")
 
 
 def public_snapshot(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
-    """``asdict(cfg)`` by section (the sections only, not ``family``), with every secret (``SECRET_FIELDS``)
-    replaced by None: safe to write or log."""
-    snapshot = {name: section for name, section in dataclasses.asdict(cfg).items() if isinstance(section, dict)}
+    """The config by section (the shared sections, then the family's own under its name), with every secret
+    (``SECRET_FIELDS``) replaced by None: safe to write or log."""
+    snapshot = {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTION_CLASSES}
+    if cfg.family_config is not None:
+        snapshot[cfg.family.section_name] = dataclasses.asdict(cfg.family_config)
     for section in snapshot.values():
         for name in SECRET_FIELDS:
             if name in section:
@@ -102,14 +96,9 @@ def public_snapshot(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
     return snapshot
 
 
-def from_namespace(values: dict[str, Any], family: str = "sd") -> TrainConfig:
-    """Build the typed config from parsed flag values (a dict keyed by flag name) for the script of ``family``.
-
-    Only the sections of that script take values: the other families' sections keep their defaults, also for a flag
-    name two families share (``cache_text_encoder_outputs`` is in ``sdxl`` and in ``flux``)."""
-    own = family_sections(family)
-    sections = {
-        name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values and name in own})
-        for name, cls in SECTION_CLASSES.items()
-    }
-    return TrainConfig(**sections, family=family)
+def from_namespace(values: dict[str, Any], family: Any) -> TrainConfig:
+    """Build the typed config from parsed flag values (a dict keyed by flag name) for the script of ``family`` (a
+    ``FamilySpec``): the shared sections, and the family's own section from the flags only its script has."""
+    sections = {name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+                for name, cls in SECTION_CLASSES.items()}
+    return TrainConfig(**sections, family=family, family_config=family.family_config(values))

@@ -12,8 +12,9 @@ channel with ``alpha_mask``, or its mask image from ``conditioning_data_dir``), 
 [B, H, W] float32 in [0, 1] at the bucket size; images without a mask get ones. A mask is cut by the same
 placement as its image (bucket resize and crop, random crop, face crop) and flipped with it; with cached latents an
 alpha mask comes from the cache and a mask image is placed as the cached image was (centred in the bucket).
-Every batch also carries SDXL's ``size_conditions`` [B, 6] (``library/data/size_conditions.py``; SD 1.x/2.x ignore
-them) and, with cached text encoder outputs, ``text_outputs`` (a dict of [B, ...] float32 tensors).
+Every batch also carries SDXL's ``size_conditions`` [B, 6] (``library/data/size_conditions.py``; the families that
+do not condition on sizes, SD 1.x/2.x and FLUX.1, ignore them) and, with cached text encoder outputs,
+``text_outputs`` (a dict of [B, ...] float32 tensors).
 
 Difference, on purpose: sd-scripts stretches a conditioning image straight to the bucket size, so with an aspect
 ratio other than the bucket's (or a face crop) its mask is offset from the image; here it is not.
@@ -76,6 +77,7 @@ class LatentStore:
     ram: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]]
     disk: dict[tuple[int, int], str]
     masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    channels: int = latent_cache.LATENT_CHANNELS  # of the latents in the disk files (the family's, set by caching)
 
     def __bool__(self) -> bool:
         return bool(self.ram or self.disk)
@@ -227,7 +229,8 @@ class BatchSource(Dataset):
                 mask = self.latents.masks[key]
         else:
             bucket = self.datasets[dataset].items[index].choice.bucket
-            latents, mask = latent_cache.read(self.latents.disk[key], bucket, flipped, alpha_mask)
+            latents, mask = latent_cache.read(self.latents.disk[key], bucket, flipped, alpha_mask,
+                                              self.latents.channels)
         if mask is not None and flipped:
             mask = mask.flip(1)
         return latents, mask

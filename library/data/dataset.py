@@ -1,5 +1,5 @@
-"""``TrainData``: the datasets of a run, their epoch arithmetic, DataLoader, report, metadata, latent cache and
-(SDXL) text encoder output cache."""
+"""``TrainData``: the datasets of a run, their epoch arithmetic, DataLoader, report, metadata, latent cache and text
+encoder output cache."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from library.base.errors import UserError
+from library.base.fs_checks import write_problem
 from library.config import DataConfig
-from library.config.dataset import DatasetGroupSpec, SubsetSpec, load_dataset_specs
+from library.config.dataset import UNET_BUCKET_STEP, BucketStep, DatasetGroupSpec, SubsetSpec, load_dataset_specs
 from library.data import latent_cache, text_cache
 from library.data.batches import BatchKey, BatchSource, EpochSampler, LatentStore, TextOutputStore
 from library.data.buckets import crop_ltrb
@@ -24,7 +25,6 @@ from library.data.dataset_metadata import dataset_metadata
 from library.data.images import check_scanned_size, load_image, load_image_with_alpha
 from library.data.prepare import PreparedDataset, ScanLimits, prepare_datasets
 from library.data.transforms import bucket_placement, mask_tensor, place, to_tensor
-from library.runtime.fs_checks import write_problem
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,8 @@ class TrainData:
     """
 
     def __init__(self, group: DatasetGroupSpec, datasets: list[PreparedDataset], data: DataConfig, seed: int,
-                 validation: TrainData | None = None, latent_suffix: str = "_sd") -> None:
+                 validation: TrainData | None = None) -> None:
         self.group = group
-        self.latent_suffix = latent_suffix
         self.datasets = datasets
         self.data = data
         self.seed = seed
@@ -165,12 +164,12 @@ class TrainData:
                 "ss_num_validation_images": str(held_out)}
 
     def cache_latents(self, encode: Callable[[torch.Tensor], torch.Tensor], *, to_disk: bool, vae_id: str,
-                      batch_size: int, share: Callable[[int], bool] | None = None,
+                      batch_size: int, files: latent_cache.LatentFiles, share: Callable[[int], bool] | None = None,
                       wait: Callable[[], None] = lambda: None) -> None:
-        """Encode every image once (and its mirror image with flip_aug); keep the latents in RAM or in npz files,
-        with the alpha mask of subsets with ``alpha_mask``.
+        """Encode every image once (and its mirror image with flip_aug); keep the latents in RAM or in npz files
+        (named and shaped as the model family's ``files``), with the alpha mask of subsets with ``alpha_mask``.
 
-        ``encode`` maps images [B, 3, H, W] in [-1, 1] to unscaled latents [B, 4, H/8, W/8]. Disk caches that are
+        ``encode`` maps images [B, 3, H, W] in [-1, 1] to unscaled latents [B, C, H/8, W/8]. Disk caches that are
         still valid (see ``latent_cache``) are reused without encoding; with ``--skip_cache_check`` every existing
         cache file is reused unopened and unhashed (sd-scripts' ``skip_disk_cache_validity_check``). Images are
         encoded in groups of one bucket, flip_aug and alpha_mask setting, as sd-scripts groups them. The validation
@@ -188,6 +187,8 @@ class TrainData:
                               "cached; turn them off or drop --cache_latents / --cache_latents_to_disk"
                               for loc in blocked))
         sharded = to_disk and share is not None
+        self.latent_files = files
+        self.latents.channels = files.channels
         pending, reused = self._pending(to_disk, vae_id, share if sharded else None)
         logger.info("caching latents: %d to encode, %d reused from disk%s", sum(len(v) for v in pending.values()),
                     reused, " (this process's share)" if sharded else "")
@@ -201,8 +202,8 @@ class TrainData:
                             sum(len(jobs) for jobs in missing.values()))
             self._encode_pending(encode, missing, batch_size, to_disk)
         if self.validation is not None:
-            self.validation.cache_latents(encode, to_disk=to_disk, vae_id=vae_id, batch_size=batch_size, share=share,
-                                          wait=wait)
+            self.validation.cache_latents(encode, to_disk=to_disk, vae_id=vae_id, batch_size=batch_size, files=files,
+                                          share=share, wait=wait)
 
     def _pending(self, to_disk: bool, vae_id: str,
                  share: Callable[[int], bool] | None) -> tuple[dict[tuple[tuple[int, int], bool, bool], list], int]:
@@ -219,14 +220,15 @@ class TrainData:
                 sub = ds.subsets[item.subset_index].spec
                 key = ""
                 if to_disk:
-                    path = latent_cache.npz_path(item.path, item.size, self.latent_suffix)
+                    path = latent_cache.npz_path(item.path, item.size, self.latent_files.suffix)
                     if self.data.skip_cache_check and latent_cache.exists(path):
                         self.latents.disk[(d, i)] = str(path)
                         reused += 1
                         continue
                     key = latent_cache.cache_key(latent_cache.file_sha1(item.path), item.choice.bucket,
                                                  item.choice.resized, vae_id)
-                    if latent_cache.is_valid(path, item.choice.bucket, sub.flip_aug, key, sub.alpha_mask):
+                    if latent_cache.is_valid(path, item.choice.bucket, sub.flip_aug, key, sub.alpha_mask,
+                                             self.latent_files.channels):
                         self.latents.disk[(d, i)] = str(path)
                         reused += 1
                         continue
@@ -261,7 +263,7 @@ class TrainData:
         for n, (d, i, _, item, key) in enumerate(items):
             mirrored = flipped[n].clone() if flipped is not None else None
             if to_disk:
-                path = latent_cache.npz_path(item.path, item.size, self.latent_suffix)
+                path = latent_cache.npz_path(item.path, item.size, self.latent_files.suffix)
                 try:
                     latent_cache.write(path, latents[n], item.size, crop_ltrb(item.choice.bucket, item.size),
                                        mirrored, key, masks[n])
@@ -278,9 +280,9 @@ class TrainData:
                                    encoder_id: str, max_token_length: int | None, names: tuple[str, ...],
                                    batch_size: int, weighted: bool = False, share: Callable[[int], bool] | None = None,
                                    wait: Callable[[], None] = lambda: None) -> None:
-        """Encode every image's caption once (SDXL ``--cache_text_encoder_outputs``); keep the outputs in RAM or in
-        ``<image>_te_outputs.npz`` (see ``text_cache``; still-valid files are reused without encoding). The
-        validation images are cached alike (sd-scripts caches its validation dataset group too).
+        """Encode every image's caption once (``--cache_text_encoder_outputs``); keep the outputs in RAM or in
+        ``<image>`` + the family's ``text_cache_suffix`` (see ``text_cache``; still-valid files are reused without
+        encoding). The validation images are cached alike (sd-scripts caches its validation dataset group too).
 
         ``encode`` maps captions to a dict of [B, ...] tensors named ``names``. Captions must be the same every
         step: a subset with shuffle_caption, caption or tag dropout, token warm-up or wildcards is refused, as
@@ -365,7 +367,7 @@ def _mask_note(sub: SubsetSpec) -> str:
 
 
 def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | None = None, masked_loss: bool = False,
-                     v2: bool = False, bucket_step: int = 64, latent_suffix: str = "_sd"):
+                     v2: bool = False, bucket_step: BucketStep = UNET_BUCKET_STEP):
     """Scan and validate the datasets of a run (all problems in one UserError); no model needed. The images a
     ``validation_split`` holds out are in ``.validation`` (``library/data/split.py``; the batch order and every
     random choice of their batches are keyed by ``--validation_seed``, else ``seed``).
@@ -374,8 +376,7 @@ def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | Non
     requires some mask source. Returns ``TrainData``, or with ``--dataset_class`` the adapter of the user's class
     (``library/data/custom.py``), which is constructed with ``max_token_length`` and the tokenizer of the model
     family (``v2``). The trainer's own datasets return captions as text, tokenized by the trainer, so these two do
-    not change them. ``bucket_step``: the model family's multiple for ``bucket_reso_steps`` (64; SDXL 32);
-    ``latent_suffix``: its latent cache file suffix (``latent_cache.npz_path``).
+    not change them. ``bucket_step``: the model family's (``FamilySpec.bucket_step``).
     """
     if data.persistent_data_loader_workers:
         logger.info("--persistent_data_loader_workers: data loader workers stay alive between epochs by default "
@@ -394,7 +395,6 @@ def build_train_data(data: DataConfig, *, seed: int, max_token_length: int | Non
                             "make those folders writable, or use --cache_latents (in RAM) instead")
     validation = None
     if held_out:
-        validation_seed = data.validation_seed if data.validation_seed is not None else seed
-        validation = TrainData(replace(group, datasets=tuple(ds.spec for ds in held_out)), held_out, data,
-                               validation_seed, latent_suffix=latent_suffix)
-    return TrainData(group, datasets, data, seed, validation, latent_suffix)
+        held, held_seed = replace(group, datasets=tuple(ds.spec for ds in held_out)), data.validation_seed
+        validation = TrainData(held, held_out, data, held_seed if held_seed is not None else seed)
+    return TrainData(group, datasets, data, seed, validation)

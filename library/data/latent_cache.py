@@ -1,8 +1,9 @@
 """Latent cache files, compatible with sd-scripts' (``strategy_sd.SdSdxlLatentsCachingStrategy``).
 
-File: ``<image stem>_<W:04d>x<H:04d>_sd.npz`` (SDXL: ``_sdxl.npz``, as sd-scripts keeps the two apart) beside the
-image, W×H the original (upright) image size; uncompressed ``np.savez`` with ``latents`` (float32 [C, h, w], unscaled
-VAE sample; C is 4, 16 in FLUX.1's ``_flux.npz``), ``original_size`` [W, H], ``crop_ltrb``, ``latents_flipped`` (with
+File: ``<image stem>_<W:04d>x<H:04d><suffix>.npz`` beside the image, the suffix the model family's
+(``FamilySpec.latent_suffix``, as sd-scripts keeps the families' files apart), W×H the original (upright) image size;
+uncompressed ``np.savez`` with ``latents`` (float32 [C, h, w], unscaled VAE sample; C the family's
+``latent_channels``), ``original_size`` [W, H], ``crop_ltrb``, ``latents_flipped`` (with
 flip_aug) and ``alpha_mask`` (float32 [H, W] in [0, 1] at the bucket size, with alpha_mask; unflipped). sd-scripts
 reads these files as its own. A file without ``alpha_mask`` is rebuilt when the mask is needed; one with it serves a
 run without masks too (the key is not read then).
@@ -24,6 +25,7 @@ import hashlib
 import json
 import logging
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,18 +36,23 @@ from library.base.files import write_file_atomic
 from library.data.cache_arrays import array_problem
 
 CACHE_KEY = "sdsb_cache_key"
-LATENT_CHANNELS = 4
-# Latent channels by cache file suffix where not LATENT_CHANNELS: sd-scripts' FluxLatentsCachingStrategy writes the
-# 16-channel latents of FLUX.1's AE into "<stem>_<W>x<H>_flux.npz".
-LATENT_CHANNELS_BY_SUFFIX = {"_flux.npz": 16}
+LATENT_CHANNELS = 4  # a Stable Diffusion VAE's; other autoencoders' files say theirs (``LatentFiles``)
 LATENT_STRIDE = 8
 UNREADABLE = (OSError, ValueError, zipfile.BadZipFile, EOFError)  # np.load of a damaged or hostile file
 
 log = logging.getLogger(__name__)
 
 
-def npz_path(image_path: str | Path, original_size: tuple[int, int], suffix: str = "_sd") -> Path:
-    """sd-scripts' cache file name for an image of ``original_size`` (W, H); ``suffix`` ``_sdxl`` for SDXL."""
+@dataclass(frozen=True)
+class LatentFiles:
+    """A model family's latent cache files: their name suffix and the channels of their latents."""
+
+    suffix: str
+    channels: int
+
+
+def npz_path(image_path: str | Path, original_size: tuple[int, int], suffix: str) -> Path:
+    """sd-scripts' cache file name for an image of ``original_size`` (W, H); ``suffix``: the family's."""
     image_path = Path(image_path)
     return image_path.with_name(f"{image_path.stem}_{original_size[0]:04d}x{original_size[1]:04d}{suffix}.npz")
 
@@ -71,12 +78,6 @@ def exists(path: Path) -> bool:
     return path.is_file()
 
 
-def latent_channels(path: str | Path) -> int:
-    """The latent channels a cache file of this name holds (``LATENT_CHANNELS_BY_SUFFIX``)."""
-    name = Path(path).name
-    return next((n for suffix, n in LATENT_CHANNELS_BY_SUFFIX.items() if name.endswith(suffix)), LATENT_CHANNELS)
-
-
 def expected_shapes(bucket: tuple[int, int], flip_aug: bool, alpha_mask: bool,
                     channels: int = LATENT_CHANNELS) -> dict[str, tuple[int, ...]]:
     """The arrays a cache file needs for an image in ``bucket`` (W, H), with their shapes."""
@@ -89,14 +90,15 @@ def expected_shapes(bucket: tuple[int, int], flip_aug: bool, alpha_mask: bool,
     return shapes
 
 
-def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str, alpha_mask: bool = False) -> bool:
+def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str, alpha_mask: bool = False,
+             channels: int = LATENT_CHANNELS) -> bool:
     """True when ``path`` holds latents for ``bucket`` (and flipped ones with ``flip_aug``, the bucket-sized alpha
     mask with ``alpha_mask``) made under ``key``. A file made for something else (another key; without a key, as
     sd-scripts writes them, latents of another bucket) or lacking an array is rebuilt quietly; a damaged one with a
     warning naming it."""
     if not path.is_file():
         return False
-    expected = expected_shapes(bucket, flip_aug, alpha_mask, latent_channels(path))
+    expected = expected_shapes(bucket, flip_aug, alpha_mask, channels)
     try:
         with np.load(path, allow_pickle=False) as npz:  # an object array in a hostile file would unpickle
             stored_key = str(npz[CACHE_KEY]) if CACHE_KEY in npz.files else None
@@ -115,13 +117,13 @@ def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str, alph
     return True
 
 
-def read(path: str | Path, bucket: tuple[int, int], flipped: bool,
-         alpha_mask: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def read(path: str | Path, bucket: tuple[int, int], flipped: bool, alpha_mask: bool = False,
+         channels: int = LATENT_CHANNELS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The cached latents (or their mirror image) of one image for ``bucket`` and, with ``alpha_mask``, its
     (unflipped) mask; a file that cannot serve them, which only ``--skip_cache_check`` lets through, is a UserError
     naming it."""
     name = "latents_flipped" if flipped else "latents"
-    shapes = expected_shapes(bucket, flipped, alpha_mask, latent_channels(path))
+    shapes = expected_shapes(bucket, flipped, alpha_mask, channels)
     expected = {needed: shapes[needed] for needed in (name, "alpha_mask") if needed in shapes}
     fix = "delete it or run without --skip_cache_check, so that it is rebuilt"
     try:

@@ -1,8 +1,10 @@
-"""Text encoder output cache files for SDXL, compatible with sd-scripts'
-(``strategy_sdxl.SdxlTextEncoderOutputsCachingStrategy``).
+"""Text encoder output cache files of the families that cache them (``ModelFamily.cache_names``), compatible with
+sd-scripts' (``strategy_sdxl.SdxlTextEncoderOutputsCachingStrategy``,
+``strategy_flux.FluxTextEncoderOutputsCachingStrategy``).
 
-File: ``<image stem>_te_outputs.npz`` beside the image; ``np.savez`` with ``hidden_state1`` (float32 [75n+2, 768]),
-``hidden_state2`` ([75n+2, 1280]) and ``pool2`` ([1280]), the keys sd-scripts reads.
+File: ``<image stem>`` + the family's ``FamilySpec.text_cache_suffix`` beside the image (``_te_outputs.npz`` for SDXL,
+``_flux_te.npz`` for FLUX.1); ``np.savez`` with the family's arrays under the keys sd-scripts reads (SDXL:
+``hidden_state1`` float32 [75n+2, 768], ``hidden_state2`` [75n+2, 1280], ``pool2`` [1280]).
 
 Added key ``sdsb_cache_key`` (as in ``latent_cache``): a JSON string with the caption that was encoded, the
 ``--max_token_length``, whether ``--weighted_captions`` weighted it, and the text encoders' id. A file whose key
@@ -30,8 +32,6 @@ from library.base.files import write_file_atomic
 from library.data.cache_arrays import array_problem
 from library.data.latent_cache import CACHE_KEY, UNREADABLE
 
-SUFFIX = "_te_outputs.npz"
-
 log = logging.getLogger(__name__)
 
 
@@ -41,20 +41,19 @@ class ArrayNames(tuple):
     a file whose arrays do not fit the model is rebuilt. A plain tuple of names checks no shape."""
 
     shapes: dict[str, tuple[int, ...]]
-    suffix: str  # the file name's end (the family's: SDXL ``_te_outputs.npz``, FLUX.1 ``_flux_te.npz``)
+    suffix: str  # the file name's end: the family's ``FamilySpec.text_cache_suffix``, as upstream names the files
 
-    def __new__(cls, names: Sequence[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
-                suffix: str = SUFFIX) -> ArrayNames:
+    def __new__(cls, names: Sequence[str], shapes: Mapping[str, tuple[int, ...]] | None, suffix: str) -> ArrayNames:
         self = super().__new__(cls, names)
         self.shapes = dict(shapes or {})
         self.suffix = suffix
         return self
 
 
-def npz_path(image_path: str | Path, names: Sequence[str] = ()) -> Path:
-    """sd-scripts' text encoder output cache file of an image (the suffix of ``names`` when it is ``ArrayNames``)."""
+def npz_path(image_path: str | Path, names: ArrayNames) -> Path:
+    """sd-scripts' text encoder output cache file of an image: its stem and the family's suffix."""
     image_path = Path(image_path)
-    return image_path.with_name(image_path.stem + getattr(names, "suffix", SUFFIX))
+    return image_path.with_name(image_path.stem + names.suffix)
 
 
 def cache_key(caption: str, max_token_length: int | None, encoder_id: str, weighted: bool = False) -> str:

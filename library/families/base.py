@@ -1,22 +1,33 @@
 """What every model family answers: the only questions the stages ask about the model they train.
 
 The loop, the saver and the sampler hold a ``ModelFamily`` and never ask which one it is (no ``if family == ...``
-outside ``library/families/``): loading, the text encoders the network attaches to, the text conditioning of a
-batch, the U-Net call with the family's extra inputs, the sampling pipeline and its text inputs, the names the LoRA
-metadata gives the base model, and the family's data rules (bucket step, latent cache suffix). A family is a package
-beside ``sd/`` and ``sdxl/`` plus one entry in ``library/families/registry.py``; its LoRA key rules live in
-``networks/families.py``.
+outside ``library/families/``): loading, where the denoiser lives and how it is prepared, the text encoders the
+network attaches to, the text conditioning of a batch, the latents' scale, the denoiser's call with the family's
+extra inputs, the objective, sample images, and the names the LoRA metadata gives the base model. The facts that
+need no model (entry script, flags, bucket step, cache file names, LoRA module) are the family's record
+(``library/families/spec.py``). A family is a package beside ``sd/``, ``sdxl/`` and ``flux/`` with both, plus one
+entry in ``library/families/registry.py``.
+
+``ModelFamily`` is an abstract base class: a family that lacks a method the stages call cannot be made
+(``TypeError`` at ``FamilySpec.load()``), and ``tests/unit/families/test_conformance.py`` runs every registered
+family through the protocol. Methods with a body here are the answer most families give; a family overrides them
+where it differs.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+from library.base.errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
-    from library.config import ModelConfig
+    from library.config import ModelConfig, PrecisionConfig
 
 
 @dataclass(frozen=True)
@@ -29,59 +40,105 @@ class ModelIds:
     implementation: str
 
 
-class ModelFamily(Protocol):
-    """A model family (``library/families/sd/family.py``, ``library/families/sdxl/family.py``)."""
+class ModelFamily(ABC):
+    """A model family's behaviour (``library/families/sd/family.py``, ``sdxl/family.py``, ``flux/family.py``)."""
 
-    name: str  # the entry script's family: "sd" (train_network.py), "sdxl" (sdxl_train_network.py)
-    caches_text_outputs: bool  # --cache_text_encoder_outputs applies (then ``to_cache``/``from_cache`` exist)
-    bucket_step: int  # the bucket resolution step sd-scripts verifies for the family
-    latent_suffix: str  # the latent cache file suffix (``_sd``, ``_sdxl``, ``_flux``), as sd-scripts keeps them apart
-    text_cache_suffix: str  # the text-encoder output cache file suffix (``_te_outputs.npz``, ``_flux_te.npz``)
-    diffusers_denoiser: bool  # the denoiser is a diffusers UNet (attention processors, its checkpointing call)
-    samples_itself: bool  # sample images come from ``sample_image`` instead of ``sample_pipeline``
+    cache_names: tuple[str, ...] = ()  # the arrays of a text-encoder output cache (``to_cache``'s keys)
 
+    @abstractmethod
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
         """The base model's names in the LoRA metadata (``model``: the loaded bundle, where its kind decides)."""
 
     def metadata(self, cfg: Any) -> dict[str, str]:
-        """The family's own ``ss_*`` keys of the LoRA metadata (none for SD and SDXL)."""
+        """The family's own ``ss_*`` keys of the LoRA metadata (``cfg``: the run's ``TrainConfig``); none here."""
+        return {}
 
+    @abstractmethod
     def load(self, cfg: ModelConfig, section: Any, dtype: torch.dtype, file_device: str = "cpu") -> Any:
-        """The model bundle, loaded offline; ``section`` is the family's own flag section (``TrainConfig.
-        family_section``: ``SDXLConfig``, ``FluxConfig``; None for SD)."""
+        """The model bundle, loaded offline, with ``unet`` (the denoiser), ``vae`` and the text encoders;
+        ``section`` is the family's own flag section (``TrainConfig.family_config``; None for a family without
+        one)."""
 
     def denoiser_device(self, section: Any, device: torch.device) -> torch.device:
-        """Where the loaded denoiser goes (the training device, unless the family places it itself)."""
+        """Where the loaded denoiser goes: the training device, unless the family places it itself."""
+        return device
 
     def place_denoiser(self, model: Any, section: Any, device: torch.device) -> None:
-        """After fp8 storage: place what ``denoiser_device`` kept back (FLUX.1's ``--blocks_to_swap``)."""
+        """After fp8 storage: place what ``denoiser_device`` kept back (nothing here)."""
+        return None
+
+    def prepare_denoiser(self, model: Any, precision: PrecisionConfig, device: torch.device) -> None:
+        """Set the denoiser's attention backend and, with ``--gradient_checkpointing``, its checkpointing (with
+        ``--cpu_offload_checkpointing`` offloaded); nothing here."""
+        return None
 
     def store_fp8(self, part: torch.nn.Module, denoiser: bool, dtype: torch.dtype) -> int:
-        """Store a frozen part's weights in fp8 computed in ``dtype`` (``denoiser``: the UNet or transformer);
-        returns the number of layers converted."""
+        """``--fp8_base``: store a frozen part's Linear and Conv weights in fp8 computed in ``dtype``
+        (``denoiser``: the U-Net or transformer); returns the number of layers converted."""
+        from library.families.fp8 import store_fp8
 
+        return store_fp8(part, dtype)
+
+    @abstractmethod
     def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
-        """What the loss trains towards (``library/train/objective.py``'s ``Objective``), on ``device``; ``cfg``: the
+        """What the loss trains towards (a ``library.objectives.base.Objective``), on ``device``; ``cfg``: the
         run's ``TrainConfig`` (None: the family's defaults)."""
 
+    @abstractmethod
+    def scale_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
+        """The denoiser's latents from the VAE's sample (its scaling factor, and shift where it has one)."""
+
+    @abstractmethod
     def text_encoders(self, model: Any) -> list[torch.nn.Module]:
         """The text encoders, in the order of the LoRA names (``lora_te``, or ``lora_te1`` and ``lora_te2``)."""
 
+    @abstractmethod
     def network_text_encoder(self, model: Any) -> Any:
         """What ``create_network`` receives as the text encoder (a module, or a list of them)."""
 
+    @abstractmethod
     def encode(self, model: Any, captions: list[str], device: torch.device, *, clip_skip: int | None,
                max_token_length: int | None, weighted: bool = False) -> Any:
-        """The U-Net's text conditioning of a batch of captions."""
+        """The denoiser's text conditioning of a batch of captions."""
 
+    def encode_ids(self, model: Any, ids: torch.Tensor, *, clip_skip: int | None,
+                   max_token_length: int | None) -> Any:
+        """The text conditioning of token ids from a ``--dataset_class`` (families that accept one)."""
+        raise UserError(f"{type(self).__name__}: token ids from --dataset_class are not supported for this model "
+                        "family; yield captions instead")
+
+    def to_cache(self, cond: Any) -> dict[str, torch.Tensor]:
+        """``--cache_text_encoder_outputs``: the arrays (``cache_names``) of a batch's conditioning, float32 on
+        the CPU (families that cache)."""
+        raise UserError(f"{type(self).__name__}: this model family does not cache text encoder outputs; drop "
+                        "--cache_text_encoder_outputs")
+
+    def from_cache(self, tensors: dict[str, torch.Tensor], device: torch.device) -> Any:
+        """The conditioning back from ``to_cache``'s arrays, on ``device``."""
+        raise UserError(f"{type(self).__name__}: this model family does not cache text encoder outputs")
+
+    def text_output_cache(self, section: Any) -> tuple[bool, bool]:
+        """Whether the run trains from cached text encoder outputs (``--cache_text_encoder_outputs``) and whether
+        they are kept on disk (``--cache_text_encoder_outputs_to_disk``), from the family's own flag section
+        (``section``): a family that caches (``cache_names``) has both flags there; one that does not never
+        caches."""
+        if section is None or not self.cache_names:
+            return False, False
+        return section.caches_text_encoder_outputs, section.cache_text_encoder_outputs_to_disk
+
+    @abstractmethod
     def predict(self, model: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: Any, batch: dict,
                 dtype: torch.dtype) -> torch.Tensor:
-        """The U-Net's prediction, with the family's extra inputs taken from the batch."""
+        """The denoiser's prediction, with the family's extra inputs taken from the batch."""
 
-    def sample_pipeline(self, model: Any, unet: torch.nn.Module) -> Any:
-        """The diffusers pipeline that draws sample images (families with ``samples_itself`` give
-        ``sample_image(model, unet, prompt, generator, device) -> PIL image`` instead)."""
+    @abstractmethod
+    def sample_image(self, model: Any, unet: torch.nn.Module, prompt: Any, generator: torch.Generator,
+                     device: torch.device, *, autocast: Callable[[], AbstractContextManager], sampler: str,
+                     clip_skip: int | None, max_token_length: int | None) -> Any:
+        """One sample image (a PIL image) of a prompt of the prompt file, all its noise from ``generator``, the
+        denoiser ``unet`` (uncompiled), under ``no_grad``; ``autocast`` gives the precision policy's context,
+        ``sampler`` the prompt's (or ``--sample_sampler``'s) sampler name."""
 
-    def sample_conditioning(self, model: Any, prompt: str, negative: str | None, *, clip_skip: int | None,
-                            max_token_length: int | None, device: torch.device) -> dict[str, Any]:
-        """The pipeline's text inputs for one sample prompt (``negative`` None: no guidance)."""
+    @abstractmethod
+    def sample_description(self, prompt: Any, sampler: str) -> str:
+        """What the log line of a sample image says beyond its size and seed (", 30 steps, euler_a, CFG 7")."""

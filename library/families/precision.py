@@ -1,11 +1,11 @@
 """The precision policy: which part of the model is in which dtype, decided once before the loop.
 
-sd-scripts (SD_SCRIPTS_BEHAVIOR.md §12): ``--mixed_precision`` sets the dtype of the frozen UNet and
-text encoder and the autocast dtype; the VAE follows it unless ``--no_half_vae``; LoRA weights stay
-fp32 unless ``--full_fp16`` / ``--full_bf16`` cast the network. The loss is always computed in fp32.
+sd-scripts (``train_network.py``): ``--mixed_precision`` sets the dtype of the frozen denoiser (the U-Net, or
+FLUX.1's transformer) and text encoders and the autocast dtype; the VAE follows it unless ``--no_half_vae``; LoRA
+weights stay fp32 unless ``--full_fp16`` / ``--full_bf16`` cast the network. The loss is always computed in fp32.
 Where we do better: under ``--full_bf16`` every optimizer write-back is stochastically rounded (see
-``optimizers/``), so small updates are not lost to round-to-nearest. ``--fp8_base`` stores the frozen UNet and
-text encoder weights (``--fp8_base_unet``: the UNet's only) in float8_e4m3fn, computed in the mixed dtype
+``optimizers/``), so small updates are not lost to round-to-nearest. ``--fp8_base`` stores the frozen denoiser and
+text encoder weights (``--fp8_base_unet``: the denoiser's only) in float8_e4m3fn, computed in the mixed dtype
 (``library/families/fp8.py``); sd-scripts requires ``--mixed_precision`` fp16 or bf16 for it, and so does
 ``library/config/precision.py``.
 """

@@ -1,17 +1,26 @@
-"""The model families by name: the entry scripts' ``family`` ("sd": ``train_network.py``, "sdxl":
-``sdxl_train_network.py``, "flux": ``flux_train_network.py``) to the object the stages ask
-(``library/families/base.py``). A new family is a package beside ``sd/``, ``sdxl/`` and ``flux/`` and one entry here.
+"""The model families: the only list of them. Each entry is a family package's record (``<family>/spec.py``, a
+``library/families/spec.FamilySpec``); a new family is a package beside ``sd/``, ``sdxl/`` and ``flux/``, one line
+here and its entry script. Importing this module imports no torch; ``model_family`` loads the behaviour.
 """
 
 from __future__ import annotations
 
-from library.families.base import ModelFamily
-from library.families.flux.family import FluxFamily
-from library.families.sd.family import SDFamily
-from library.families.sdxl.family import SDXLFamily
+from functools import cache
 
-FAMILIES: dict[str, ModelFamily] = {"sd": SDFamily(), "sdxl": SDXLFamily(), "flux": FluxFamily()}
+from library.families.flux.spec import SPEC as FLUX
+from library.families.sd.spec import SPEC as SD
+from library.families.sdxl.spec import SPEC as SDXL
+from library.families.spec import FamilySpec
+
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (SD, SDXL, FLUX)}
 
 
-def model_family(name: str) -> ModelFamily:
+def family_spec(name: str) -> FamilySpec:
+    """The record of the family called ``name`` (a key of ``FAMILIES``)."""
     return FAMILIES[name]
+
+
+@cache
+def model_family(name: str):
+    """The behaviour object (``library.families.base.ModelFamily``) of the family called ``name``."""
+    return FAMILIES[name].load()

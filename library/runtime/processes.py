@@ -26,7 +26,7 @@ initialisation (also sent from rank 0) and the latent cache are made with the ru
 sd-scripts; the stochastic-rounding seeds of the optimizers, the accumulator and the gradient round-back are the
 same everywhere.
 
-Decisions that must be the same everywhere (ARCHITECTURE.md) are taken from exchanged values: every collective is
+Decisions that must be the same everywhere (docs/architecture.md) are taken from exchanged values: every collective is
 preceded by a *sync point* that exchanges each process's status, so an error, an interruption or a stop on one
 process stops all of them at the same point (``Stopped``), with the message printed once, by the main process. The
 non-finite guard reads a flag summed into the gradient buffer, and the gradient norm is computed from the averaged

@@ -25,16 +25,18 @@ from typing import Any
 import torch
 
 from library.base.errors import TrainingDiverged
-from library.config import LogConfig, TrainConfig, public_snapshot, validate
+from library.base.fs_checks import check_folder, ensure_room_for_save
+from library.config import LogConfig, SaveConfig, TrainConfig, public_snapshot, validate
+from library.data import encode_caches
 from library.data.dataset import TrainData, build_train_data
 from library.data.debug import show_batches
+from library.data.latent_cache import LatentFiles
 from library.families import model_setup
 from library.families.base import ModelFamily
 from library.families.precision import PrecisionPolicy, optimizer_state_dtype, precision_policy
 from library.families.registry import model_family
 from library.runtime import processes as process_group
 from library.runtime.compile_checks import check_dynamo_backend
-from library.runtime.fs_checks import check_folder, ensure_room_for_save
 from library.runtime.output import open_output
 from library.sampling.images import SAMPLE_FOLDER, make_sample_hooks
 from library.sampling.prompts import SamplePlan, check_sample_folder, plan_samples
@@ -55,12 +57,11 @@ from library.train.accumulation import build_accumulation
 from library.train.batch_loss import BatchLoss
 from library.train.loop import LoopResult, train_loop
 from library.train.loss_scale import DynamicLossScale
-from library.train.noise import apply_zero_terminal_snr
 from library.train.position import Position, SampleHooks, SaveHooks
 from library.train.readout import Readout
 from library.train.steps import StepPlan, describe, plan_steps
 from library.train.tracking import Tracker
-from library.train.update import Updater
+from library.train.update import Updater, make_updater
 from library.train.validation import Validation, build_validation
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ def run(cfg: TrainConfig) -> RunResult | None:
             models = _models(ready.cfg, ready, processes)
             optimization = _optimization(ready.cfg, ready, models, processes)
             trainer = _trainer(ready.cfg, ready, models, optimization, processes)
+            processes.checkpoint = lambda: trainer.saver.last_lora  # named if a process is lost
             result = trainer.train()
             processes.sync()  # the final save is written: every process ends with the main one's outcome
         log.info("optimizer state after training: %s", optimizer_state_dtype(optimization.optimizer))
@@ -195,33 +197,9 @@ def run(cfg: TrainConfig) -> RunResult | None:
 
 def _prepare(cfg: TrainConfig, processes: process_group.Processes) -> Prepared | None:
     """Everything decided before a model loads, so that bad input fails fast; None for ``--debug_dataset``."""
-    process_group.check_supported(processes.info, fused_backward_pass=cfg.optimizer.fused_backward_pass)
-    for line in process_group.describe_options(cfg.distributed, processes.info):
-        log.info(line)
-    family = model_family(cfg.family)
-    samples = plan_samples(cfg.sample, warn_ignored=not family.samples_itself)
-    check_sample_folder(samples, cfg.save.output_dir)
-    choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
-    check_dynamo_backend(cfg.precision)  # --torch_compile with a backend this torch lacks
-    thumbnail = thumbnail_data_url(cfg.save.metadata_thumbnail)
-    saved = read_state(cfg.save.resume) if cfg.save.resume else None
-    if saved is not None:
-        check_finite(saved)
-    seed, stored_seed = cfg.run.seed, saved_seed(saved) if saved is not None else None
-    if seed is None and stored_seed is not None:
-        seed = stored_seed
-        log.info("--resume without --seed: using the seed of the run that saved the state, %d", seed)
-    seed = processes.decide_seed(seed)
-    data = build_train_data(cfg.data, seed=seed, max_token_length=cfg.model.max_token_length,
-                            masked_loss=cfg.loss.masked_loss, v2=cfg.model.v2, bucket_step=family.bucket_step,
-                            latent_suffix=family.latent_suffix)
-    data.shard(processes.shard)
-    plan = plan_steps(len(data), batch_size=cfg.data.train_batch_size,
-                      gradient_accumulation_steps=cfg.schedule.gradient_accumulation_steps,
-                      num_processes=processes.world_size, max_train_steps=cfg.schedule.max_train_steps,
-                      max_train_epochs=cfg.schedule.max_train_epochs)
-    for line in data.summary() + describe(plan, data.num_train_images, data.num_reg_images):
-        log.info(line)
+    samples, choice, thumbnail = _check_before_loading(cfg, processes)
+    saved, seed = _resumed_state(cfg.save, cfg.run.seed, processes)
+    data, plan = _data_and_plan(cfg, seed, processes)
     if cfg.data.debug_dataset:
         if processes.is_main:
             show_batches(data, plan.max_train_steps)
@@ -237,38 +215,79 @@ def _prepare(cfg: TrainConfig, processes: process_group.Processes) -> Prepared |
         check_trajectory(saved, route)
     if cfg.log.logging_dir and processes.is_main:
         check_folder("--logging_dir", cfg.log.logging_dir)
-    if cfg.network.network_weights:
-        network_setup.weights_shapes(cfg.network.network_weights)  # a bad file is named before the model loads
-        network_setup.check_network_weights(cfg.network)
+    network_setup.check_network_weights(cfg.network)  # a bad file is named before the model loads
     return Prepared(cfg=cfg, seed=seed, saved=saved, samples=samples, choice=choice, lr_schedule=lr_schedule,
-                    thumbnail=thumbnail, family=family, data=data, plan=plan, start=start, route=route,
-                    names=OutputNames(cfg.save.output_name))
+                    thumbnail=thumbnail, family=model_family(cfg.family.name), data=data, plan=plan, start=start,
+                    route=route, names=OutputNames(cfg.save.output_name))
+
+
+def _check_before_loading(cfg: TrainConfig, processes: process_group.Processes
+                          ) -> tuple[SamplePlan | None, optimizer_setup.OptimizerChoice, str | None]:
+    """The checks of the flags and files that need neither data nor model: processes, sample prompts, optimizer,
+    ``--dynamo_backend`` and the thumbnail; returns the sample plan, the optimizer choice and the thumbnail."""
+    process_group.check_supported(processes.info, fused_backward_pass=cfg.optimizer.fused_backward_pass)
+    for line in process_group.describe_options(cfg.distributed, processes.info):
+        log.info(line)
+    samples = plan_samples(cfg.sample, warn_ignored=not cfg.family.sample_guidance)
+    check_sample_folder(samples, cfg.save.output_dir)
+    choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
+    check_dynamo_backend(cfg.precision)  # --torch_compile with a backend this torch lacks
+    return samples, choice, thumbnail_data_url(cfg.save.metadata_thumbnail)
+
+
+def _resumed_state(save: SaveConfig, seed: int | None, processes: process_group.Processes) -> tuple[Any, int]:
+    """The ``--resume`` state (checked to hold finite numbers), or None; and the run's seed: ``--seed``, else the
+    resumed run's, decided by the main process."""
+    saved = read_state(save.resume) if save.resume else None
+    if saved is not None:
+        check_finite(saved)
+    stored_seed = saved_seed(saved) if saved is not None else None
+    if seed is None and stored_seed is not None:
+        seed = stored_seed
+        log.info("--resume without --seed: using the seed of the run that saved the state, %d", seed)
+    return saved, processes.decide_seed(seed)
+
+
+def _data_and_plan(cfg: TrainConfig, seed: int, processes: process_group.Processes) -> tuple[TrainData, StepPlan]:
+    """The datasets (this process's share) and the steps and epochs they make."""
+    data = build_train_data(cfg.data, seed=seed, max_token_length=cfg.model.max_token_length,
+                            masked_loss=cfg.loss.masked_loss, v2=cfg.model.v2, bucket_step=cfg.family.bucket_step)
+    data.shard(processes.shard)
+    plan = plan_steps(len(data), batch_size=cfg.data.train_batch_size,
+                      gradient_accumulation_steps=cfg.schedule.gradient_accumulation_steps,
+                      num_processes=processes.world_size, max_train_steps=cfg.schedule.max_train_steps,
+                      max_train_epochs=cfg.schedule.max_train_epochs)
+    for line in data.summary() + describe(plan, data.num_train_images, data.num_reg_images):
+        log.info(line)
+    return data, plan
 
 
 def _models(cfg: TrainConfig, ready: Prepared, processes: process_group.Processes) -> Models:
-    """Load the model, apply the precision policy, attach the network and cache what can be cached."""
+    """Load the model, apply the precision policy, attach the network, cache what can be cached and compile the
+    denoiser (``--torch_compile``)."""
     device, family, data = processes.device, ready.family, ready.data
     policy = precision_policy(cfg.precision)
-    section = cfg.family_section()
+    section = cfg.family_config
     model = model_setup.load_model(cfg.model, cfg.precision, policy, device, family=family, section=section)
     network_setup.merge_base_weights(cfg.model, cfg.network.network_module, model, policy, family=family)
     model_setup.store_frozen_fp8(model, policy, family=family)
     family.place_denoiser(model, section, device)
-    if cfg.noise.zero_terminal_snr:
-        apply_zero_terminal_snr(model.noise_scheduler)
     network, train_te = network_setup.build_network(cfg.network, model, policy, device, family=family)
     processes.broadcast_from_main(list(network.state_dict().values()))  # one initialisation for all
     if processes.is_main:
         ensure_room_for_save(cfg.save.output_dir, network, save_dtype(cfg.save), cfg.save.save_state, "the LoRA")
     if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
-        model_setup.cache_latents(data, model, policy, device, cfg.data, highvram=cfg.model.highvram,
-                                  share=processes.owns_item, wait=processes.sync)
-    if section is not None and section.caches_text_encoder_outputs:
-        model_setup.cache_text_encoder_outputs(
-            data, model, family, policy, device, section.cache_text_encoder_outputs_to_disk,
-            max_token_length=cfg.model.max_token_length,
-            batch_size=cfg.data.train_batch_size, weighted=cfg.model.weighted_captions, share=processes.owns_item,
+        files = LatentFiles(cfg.family.latent_suffix, cfg.family.latent_channels)
+        encode_caches.cache_latents(data, model, policy, device, cfg.data, files, highvram=cfg.model.highvram,
+                                    share=processes.owns_item, wait=processes.sync)
+    caches_text, to_disk = family.text_output_cache(section)
+    if caches_text:
+        encode_caches.cache_text_encoder_outputs(
+            data, model, family, policy, device, to_disk,
+            max_token_length=cfg.model.max_token_length, batch_size=cfg.data.train_batch_size,
+            suffix=cfg.family.text_cache_suffix, weighted=cfg.model.weighted_captions, share=processes.owns_item,
             wait=processes.sync)
+    model_setup.compile_unet(model, cfg.precision)
     return Models(device=device, policy=policy, model=model, network=network, train_text_encoder=train_te)
 
 
@@ -304,7 +323,7 @@ def _optimization(cfg: TrainConfig, ready: Prepared, models: Models, processes: 
         state.check_storable()
     if ready.saved is not None:
         state.restore(ready.saved)
-    updater = Updater(
+    updater = make_updater(
         params=params, optimizer=optimizer, scheduler=scheduler, accumulation=accumulation,
         accumulation_steps=ready.plan.gradient_accumulation_steps, max_grad_norm=cfg.optimizer.max_grad_norm,
         max_nan_steps=cfg.precision.max_nan_steps, loss_scale=loss_scale,
@@ -329,7 +348,6 @@ def _trainer(cfg: TrainConfig, ready: Prepared, models: Models, optimization: Op
         resolution=cfg.data.resolution or data.resolution, started=time.time(),
         text_encoder_lr=network_setup.text_encoder_lr(network, cfg.optimizer), family_meta=family.metadata(cfg))
     saver = Saver(Path(cfg.save.output_dir), cfg.save.save_model_as, save_dtype(cfg.save))
-    processes.checkpoint = lambda: saver.last_lora  # named if a process is lost
     tracker = Tracker(cfg.log if processes.is_main else LogConfig(), public_snapshot(cfg))
     batch_loss = BatchLoss(
         model=model, network=network, noise=cfg.noise, loss=cfg.loss, policy=models.policy, device=models.device,
@@ -337,7 +355,6 @@ def _trainer(cfg: TrainConfig, ready: Prepared, models: Models, optimization: Op
         max_token_length=cfg.model.max_token_length, train_text_encoder=models.train_text_encoder,
         weighted_captions=cfg.model.weighted_captions, family=family, readout=optimization.updater.readout,
         host_generator=optimization.host_generator, objective=family.objective(model, cfg, models.device))
-    model_setup.compile_unet(model, cfg.precision)
     samples = make_sample_hooks(
         ready.samples if processes.is_main else None, model=model, network=network, policy=models.policy,
         device=models.device, output_dir=Path(cfg.save.output_dir), output_name=cfg.save.output_name,

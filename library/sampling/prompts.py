@@ -47,7 +47,7 @@ from typing import Any
 
 from library.base.errors import UserError, did_you_mean
 from library.config import SampleConfig
-from library.sampling.schedulers import SAMPLER_SPECS, missing_package
+from library.families.schedulers import SAMPLER_SPECS, missing_package
 from library.text.weights import parse_prompt_attention
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,10 @@
 """The ``ss_*`` training metadata and the SAI ModelSpec entries written into every LoRA file.
 
-Key names and value formats follow sd-scripts' ``train_network.py`` and ``library/sai_model_spec.py``
-(SD_SCRIPTS_BEHAVIOR.md §10): every value is a string, booleans as "True"/"False", missing values as
-"None". Keys of our own (``ss_full_bf16``, ``ss_stochastic_rounding``) are additive. The ``ss_validation_*`` keys
-are the command-line values, as sd-scripts writes ``args.validation_*`` (a dataset config's own ``validation_split``
-is not among them); ``ss_num_validation_images`` comes with the dataset keys.
+Key names and value formats follow sd-scripts' ``train_network.py`` and ``library/sai_model_spec.py``:
+every value is a string, booleans as "True"/"False", missing values as "None". Keys of our own (``ss_full_bf16``,
+``ss_stochastic_rounding``) are additive. The ``ss_validation_*`` keys are the command-line values, as sd-scripts
+writes ``args.validation_*`` (a dataset config's own ``validation_split`` is not among them);
+``ss_num_validation_images`` comes with the dataset keys.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ naming the file and the key, instead of a ``TypeError`` / ``KeyError`` / ``Overf
   ``base_lrs`` / ``_last_lr``) are numbers in [0, float32 max] (the CLI's bound, ``library/config/ranges.py``);
   second moments (Adam's ``exp_avg_sq``, RMSprop's ``square_avg``, Adagrad's ``sum``, ...: means of squares) are not
   negative; a per-parameter ``step`` and the scheduler's ``last_epoch`` (ticked once per process per applied update,
-  ``library/train/update.py``) do not exceed the updates of the saved position (plus ``steps_beyond_position``, the
+  ``library/train/update/``) do not exceed the updates of the saved position (plus ``steps_beyond_position``, the
   steps a ``--resume`` with a lower ``--initial_step`` carried in); the random states have their forms.
 * At restore: the tensors that optimizers keep one per element of their parameter (``exp_avg``, ``momentum_buffer``,
   ``ema``, ...) have the parameter's shape; any other state tensor with the parameter's element count has its shape

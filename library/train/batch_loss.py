@@ -1,16 +1,16 @@
-"""The loss of one batch: latents, text conditioning, then the family's objective (``library/train/objective.py``:
-noise, timesteps, the model's prediction through ``predict``, the weighted loss).
+"""The loss of one batch: latents, text conditioning, then the family's objective (``library/objectives/``: noise,
+timesteps, the model's prediction through ``predict``, the weighted loss).
 
-What differs between SD 1.x/2.x and SDXL (text encoders, the UNet's extra inputs) is the model family's
-(``library/families/registry.py``); a batch with ``text_outputs`` (SDXL's ``--cache_text_encoder_outputs``) skips the
-text encoders.
+Everything that differs between model families (the latents' scale and shift, the text encoders, the denoiser's
+extra inputs, the objective) is the family's (``library.families.base.ModelFamily``); a batch with ``text_outputs``
+(``--cache_text_encoder_outputs``) skips the text encoders.
 
-Follows sd-scripts' ``NetworkTrainer.process_batch`` for SD1.x/2.x: latents are the VAE sample
-× scaling factor (0.18215), NaN latents become 0 with a warning, the text encoder runs with gradients
-only when its LoRA is trained, the UNet runs under the precision policy's autocast, and the loss is
-computed in fp32 (``library/train/loss.py``). Nothing here waits for the device: noise, timesteps and the VAE sample
+Follows sd-scripts' ``NetworkTrainer.process_batch``: latents are the VAE sample scaled as the family scales them,
+NaN latents become 0 with a warning, the text encoders run with gradients only when their LoRA is trained, the
+denoiser runs under the precision policy's autocast, and the loss is computed in fp32
+(``library/objectives/loss.py``). Nothing here waits for the device: noise, timesteps and the VAE sample
 come from ``generator`` (a CUDA generator on CUDA), ᾱ and the SNR table are put on the device once, batch tensors are
-moved without blocking (``library/train/readout.to_device``), and the NaN-latents warning is decided at the update's
+moved without blocking (``library/base/devices.to_device``), and the NaN-latents warning is decided at the update's
 host read (``Readout.defer``) instead of by an ``if`` on a device value. Pyramid noise picks its level sizes on the
 host, from ``host_generator`` (the same generator on the CPU).
 
@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from library.base.devices import to_device
 from library.base.errors import UserError
 from library.config import LossConfig, NoiseConfig
 from library.families.base import ModelFamily
 from library.families.precision import PrecisionPolicy
-from library.families.sd.family import SDFamily
-from library.families.sd.parts import SDModel
-from library.families.sd.text_encoding import encode_text
-from library.train.objective import Objective
-from library.train.readout import Readout, to_device
+from library.objectives.base import Objective
+from library.train.readout import Readout
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ log = logging.getLogger(__name__)
 class BatchLoss:
     """Computes the training loss of a batch; everything it needs is fixed when it is built."""
 
-    model: SDModel
+    model: Any
     network: torch.nn.Module
     noise: NoiseConfig
     loss: LossConfig
@@ -53,8 +52,8 @@ class BatchLoss:
     clip_skip: int | None
     max_token_length: int | None
     train_text_encoder: bool
+    family: ModelFamily
     weighted_captions: bool = False
-    family: ModelFamily = SDFamily()
     readout: Readout = field(default_factory=Readout)
     host_generator: torch.Generator | None = None
     objective: Objective | None = None  # the family's (``ModelFamily.objective``), made once when not given
@@ -79,11 +78,7 @@ class BatchLoss:
                 log.warning("NaN/Inf in VAE latents of %s; replaced by 0 (try --no_half_vae)", paths)
 
         self.readout.defer(torch.isfinite(latents).all(), report)
-        latents = torch.nan_to_num(latents, nan=0.0, posinf=0.0, neginf=0.0)
-        shift = getattr(vae.config, "shift_factor", None)  # FLUX.1's AE shifts its latents; SD's VAEs do not
-        if shift:
-            latents = latents - shift
-        return latents * vae.config.scaling_factor
+        return self.family.scale_latents(vae, torch.nan_to_num(latents, nan=0.0, posinf=0.0, neginf=0.0))
 
     def conditioning(self, captions: list[str]):
         """The text conditioning of the captions (the model family's); with ``--weighted_captions`` scaled by each
@@ -92,14 +87,14 @@ class BatchLoss:
             return self.family.encode(self.model, captions, self.device, clip_skip=self.clip_skip,
                                       max_token_length=self.max_token_length, weighted=self.weighted_captions)
 
-    def encode_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """SD 1.x/2.x text-encoder states of token ids [B, 77·n] (``tokenize``'s form)."""
+    def encode_ids(self, ids: torch.Tensor):
+        """The text conditioning of token ids (a ``--dataset_class``'s ``input_ids``, the family's form)."""
         with torch.set_grad_enabled(self.train_text_encoder), self.policy.autocast(self.device):
-            return encode_text(self.model.text_encoder, to_device(ids, self.device), clip_skip=self.clip_skip,
-                               max_token_length=self.max_token_length, v2=self.model.v2)
+            return self.family.encode_ids(self.model, to_device(ids, self.device), clip_skip=self.clip_skip,
+                                          max_token_length=self.max_token_length)
 
     def text_states(self, batch: dict):
-        """The batch's conditioning: cached text encoder outputs (SDXL) when the batch has them. Token ids come
+        """The batch's conditioning: cached text encoder outputs when the batch has them. Token ids come
         only from a ``--dataset_class`` that yields them; as in sd-scripts they win over captions, except with
         ``--weighted_captions``, which needs the captions' text."""
         if "text_outputs" in batch:

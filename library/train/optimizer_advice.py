@@ -1,8 +1,9 @@
 """Start-up advice for the trainer: warnings about LR, warmup and precision, and the Adafactor scheduler rule.
 
 Sources: sd-scripts ``train_util.get_optimizer`` (D-Adaptation/Prodigy LR warnings, Adafactor relative_step rules),
-OPTIMIZERS.md §8 (early-step inflation of Compass/SPARKLES: warm up >= 50 updates with b1 0.9, >= 300 with 0.99) and
-§2.8 (with --full_bf16 an optimizer without stochastic rounding rounds every update to nearest; small updates vanish).
+docs/optimizers.md §8 (early-step inflation of Compass/SPARKLES: warm up >= 50 updates with b1 0.9, >= 300 with
+0.99) and §2.1 (with --full_bf16 an optimizer without stochastic rounding rounds every update to nearest; small
+updates vanish).
 """
 
 from __future__ import annotations

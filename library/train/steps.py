@@ -1,6 +1,6 @@
 """Steps, epochs and gradient accumulation: how many micro-batches, updates and epochs a run has.
 
-The arithmetic reproduces sd-scripts' ``train_network.py`` (SD_SCRIPTS_BEHAVIOR.md §4.2):
+The arithmetic reproduces sd-scripts' ``train_network.py`` and ``library/train_util.py``:
 ``--max_train_epochs`` always wins and becomes ``epochs · ceil(batches / processes / accumulation)``
 updates; the epoch count follows from the update count; ``global_step`` counts optimizer updates; the
 LR schedule ticks once per update and process, so accumulation does not stretch it. With N processes sd-scripts

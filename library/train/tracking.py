@@ -1,7 +1,7 @@
 """Training logs: console progress and TensorBoard / wandb scalars with sd-scripts' tag names.
 
-Tags (SD_SCRIPTS_BEHAVIOR.md §6): ``loss/current``, ``loss/average`` (moving average over the last
-epoch's worth of steps), ``loss/epoch_average``, ``lr/textencoder`` and ``lr/unet`` (or ``lr/group<i>``),
+Tags, as sd-scripts' ``train_network.py`` names them: ``loss/current``, ``loss/average`` (moving average over
+the last epoch's worth of steps), ``loss/epoch_average``, ``lr/textencoder`` and ``lr/unet`` (or ``lr/group<i>``),
 ``lr/d*lr/<group>`` for learning-rate-free optimizers, ``grad_norm``, ``max_norm/*``; sample images as
 ``sample_<index>`` (sd-scripts logs them to wandb only, with the prompt as caption; here TensorBoard gets them too);
 with a validation split ``loss/validation/step_average`` and ``loss/validation/step_divergence`` (at the update,

@@ -73,7 +73,6 @@ def parser_flags(parser: argparse.ArgumentParser) -> list[dict]:
 
 def make_flags(out_dir: Path) -> dict:
     import flux_train_network
-
     import train_network
 
     flux_flags = parser_flags(flux_train_network.setup_parser())

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from library.config import validate
-from library.config.cli import parse_args
 from library.data.dataset import build_train_data
 from library.families.registry import model_family
 from library.train.optimizer_setup import check_optimizer
+from tests.config_helpers import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINING_CONFIGS = sorted((ROOT / "configs").rglob("*.toml"))

@@ -10,8 +10,8 @@ from safetensors import safe_open
 import train_network
 from library.base.errors import UserError
 from library.config import DataConfig, validate
-from library.config.cli import parse_args
 from library.data.dataset import build_train_data
+from tests.config_helpers import parse_args
 
 HERE = "tests.e2e.test_dataset_class"
 

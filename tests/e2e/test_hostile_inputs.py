@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 import train_network
-from library.tiny_model import build_tiny_sd15
+from library.families.sd.tiny_files import build_tiny_sd15
 from networks.lora import create_network
 from tests.e2e.test_train_network import refused as _fails
 from tests.e2e.test_train_network import train_args

@@ -263,7 +263,7 @@ def test_output_config_writes_the_given_flags(tmp_path, capsys):
     new = tmp_path / "new.toml"
     assert train_network.main(["--output_config", "--config_file", str(new), *FLAGS]) == 0
     assert f"wrote {new}" in capsys.readouterr().out
-    from library.config.cli import parse_args
+    from tests.config_helpers import parse_args
 
     cfg, _ = parse_args(["--config_file", str(new)])
     assert (cfg.network.network_dim, cfg.optimizer.learning_rate) == (12, 0.0002)

@@ -106,8 +106,8 @@ def test_images_per_epoch_count_repeats_times_images(tmp_path, capsys, no_model)
 
 
 def test_long_caption_is_cut_at_the_scan_and_tokenizes_as_before(tmp_path, caplog):
+    from library.families.sd.tiny_files import build_tiny_sd15
     from library.text.tokens import tokenize
-    from library.tiny_model import build_tiny_sd15
 
     caplog.set_level(logging.WARNING)
     huge = ", ".join(f"tag{i % 1000}" for i in range(1_000_000))  # about 8 MB on one line

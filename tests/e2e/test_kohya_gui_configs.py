@@ -40,7 +40,7 @@ from safetensors import safe_open
 import train_network
 from library.base.errors import UserError
 from library.config import validate
-from library.config.cli import parse_args
+from tests.config_helpers import parse_args
 from tests.e2e.gui_configs import fill_gui_config
 
 ROOT = Path(__file__).resolve().parents[2]

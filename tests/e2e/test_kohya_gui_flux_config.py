@@ -24,8 +24,8 @@ from safetensors import safe_open
 
 import train_network
 from library.config import validate
-from library.config.cli import parse_args
-from library.tiny_model import FLUX_FILES, write_tiny_flux
+from library.families.flux.tiny_files import FLUX_FILES, write_tiny_flux
+from tests.config_helpers import parse_args
 from tests.e2e.gui_configs import fill_gui_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ from safetensors import safe_open
 import train_network
 from library.base.errors import UserError
 from library.config import validate
-from library.config.cli import parse_args
+from tests.config_helpers import parse_args
 from tests.e2e.gui_configs import fill_gui_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,8 @@ def test_parses_and_validates_as_written(name, tmp_path, images, caplog):
     assert len(gui_lines) == 1
     assert all(k in gui_lines[0] for k in ("epoch", "noise_offset_type", "wandb_run_name"))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "wandb_run_name" in r.getMessage()]
-    assert cfg.precision.xformers and cfg.sdxl.cache_text_encoder_outputs and cfg.network.network_train_unet_only
+    assert cfg.precision.xformers and cfg.network.network_train_unet_only
+    assert cfg.family_config.cache_text_encoder_outputs
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -14,6 +14,7 @@ import train_network
 from library.config import LossConfig, ModelConfig, NetworkConfig, NoiseConfig, PrecisionConfig
 from library.families.model_setup import load_model
 from library.families.precision import precision_policy
+from library.families.registry import model_family
 from library.train.batch_loss import BatchLoss
 from library.train.network_setup import build_network
 from tests.e2e.test_train_network import train_args
@@ -98,13 +99,14 @@ def batch_loss():
     device = torch.device("cpu")
     policy = precision_policy(PrecisionConfig())
     model = load_model(ModelConfig(pretrained_model_name_or_path="builtin:tiny-sd15"), PrecisionConfig(), policy,
-                       device)
-    network, train_te = build_network(NetworkConfig(network_dim=4, network_alpha=4.0), model, policy, device)
+                       device, family=model_family("sd"))
+    network, train_te = build_network(NetworkConfig(network_dim=4, network_alpha=4.0), model, policy, device,
+                                      family=model_family("sd"))
     torch.manual_seed(0)
     for p in network.parameters():  # LoRA up-projections start at zero; give every parameter a gradient path
         torch.nn.init.normal_(p, std=0.05)
     return BatchLoss(model, network, NoiseConfig(), LossConfig(), policy, device, torch.Generator(), None, None,
-                     train_te)
+                     train_te, model_family("sd"))
 
 
 def grads(batch_loss, images, masks):

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 import train_network
-from library.tiny_model import build_tiny_sd15
+from library.families.sd.tiny_files import build_tiny_sd15
 from networks.lora import create_network
 from tests.e2e.test_train_network import SAMPLES, _fails_cleanly, train_args
 

@@ -19,7 +19,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from library.tiny_model import write_tiny_sdxl
+from library.families.sdxl.tiny_files import write_tiny_sdxl
 from tests.e2e.test_sdxl_train import sdxl_args, train
 from tests.e2e.test_train_network import SAMPLES
 

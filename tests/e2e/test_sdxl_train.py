@@ -145,8 +145,9 @@ def test_sample_images_leave_the_lora_bit_identical(tmp_path):
 def test_v_parameterization_trains_a_v_prediction_model(tmp_path):
     """sd-scripts' SDXL trainer shares train_network.py's loss, so ``--v_parameterization`` (v-prediction SDXL models
     such as NoobAI-XL v-pred) trains against the velocity; the same seed with epsilon gives another LoRA."""
-    from library.config import ModelConfig, SDXLConfig
+    from library.config import ModelConfig
     from library.families.registry import model_family
+    from library.families.sdxl.config import SDXLConfig
 
     cfg = ModelConfig(pretrained_model_name_or_path="builtin:tiny-sdxl", v_parameterization=True)
     model = model_family("sdxl").load(cfg, SDXLConfig(), torch.float32)

@@ -16,7 +16,7 @@ import torch
 
 import train_network
 from library.families import model_setup
-from library.tiny_model import build_tiny_sd15, save_diffusers_folder
+from library.families.sd.tiny_files import build_tiny_sd15, save_diffusers_folder
 from tests.e2e.test_train_network import SAMPLES, train_args
 
 

@@ -67,7 +67,7 @@ def test_metadata_is_kohya_shaped(fp32_run):
 def test_diffusers_loads_every_key_and_matches_our_network(fp32_run):
     from diffusers import StableDiffusionPipeline
 
-    from library.tiny_model import build_tiny_sd15
+    from library.families.sd.tiny_files import build_tiny_sd15
     from networks.lora import create_network_from_weights
 
     base = build_tiny_sd15()

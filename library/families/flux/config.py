@@ -120,27 +120,41 @@ _CONTROLNET = ("--controlnet_model_name_or_path: training a ControlNet is not Lo
                "flux_train_control_net.py")
 
 
+# Shared flags whose meaning does not exist for FLUX.1, or that this script does not provide: refused when set.
+REFUSED_FLAGS = {
+    "v2": "--v2 is for Stable Diffusion 2.x; FLUX.1 is not SD 2.x, so remove --v2, or train SD 2.x models with "
+          "train_network.py",
+    "v_parameterization": "--v_parameterization is an SD 2.x noise-schedule target; FLUX.1 is a flow-matching model "
+                          "whose target is always noise - latents, so remove it (choose what the output means with "
+                          "--model_prediction_type)",
+    "weighted_captions": "--weighted_captions: FLUX.1's CLIP-L / T5-XXL prompts have no (text:1.2) weighting "
+                         "(upstream raises NotImplementedError); remove it",
+    "dataset_class": "--dataset_class is not implemented for FLUX.1 here yet; remove it (it works with "
+                     "train_network.py for SD 1.x/2.x)",
+}
+
+# Shared flags that upstream's FLUX.1 training leaves without effect (``post_process_loss`` returns the loss as it
+# is, ``get_noise_pred_and_target`` draws plain Gaussian noise, timesteps come from ``--timestep_sampling``, the
+# tokenizers have fixed lengths): named in one warning when set.
+_IGNORED_WHY = ("sd-scripts' flux_train_network.py ignores them too: flow matching draws plain Gaussian noise and "
+                "timesteps from --timestep_sampling, and weights the loss only by --weighting_scheme; T5-XXL's "
+                "length is --t5xxl_max_token_length")
+IGNORED_FLAGS = dict.fromkeys(
+    ("noise_offset", "noise_offset_random_strength", "adaptive_noise_scale", "multires_noise_iterations",
+     "zero_terminal_snr", "min_timestep", "max_timestep", "min_snr_gamma", "debiased_estimation_loss",
+     "v_pred_like_loss", "clip_skip", "max_token_length"), _IGNORED_WHY)
+IGNORED_FLAGS["tokenizer_cache_dir"] = ("the bundled CLIP-L and T5 tokenizers are used (the same vocabularies as "
+                                        "upstream's); the folder is not read")
+
+
 def _refusals(cfg: TrainConfig) -> list[str]:
-    """Flags whose meaning does not exist for FLUX.1, or that this script does not provide."""
-    f, m = cfg.flux, cfg.model
+    """What this script does not provide for FLUX.1 (the shared flags it refuses are ``REFUSED_FLAGS``)."""
+    f = cfg.family_config
     problems = []
-    if m.v2:
-        problems.append("--v2 is for Stable Diffusion 2.x; FLUX.1 is not SD 2.x, so remove --v2, or train SD 2.x "
-                        "models with train_network.py")
-    if m.v_parameterization:
-        problems.append("--v_parameterization is an SD 2.x noise-schedule target; FLUX.1 is a flow-matching model "
-                        "whose target is always noise - latents, so remove it (choose what the output means with "
-                        "--model_prediction_type)")
     if f.controlnet_model_name_or_path:
         problems.append(_CONTROLNET)
     if f.model_type == "chroma":
         problems.append(_CHROMA)
-    if m.weighted_captions:
-        problems.append("--weighted_captions: FLUX.1's CLIP-L / T5-XXL prompts have no (text:1.2) weighting (upstream "
-                        "raises NotImplementedError); remove it")
-    if cfg.data.dataset_class:
-        problems.append("--dataset_class is not implemented for FLUX.1 here yet; remove it (it works with "
-                        "train_network.py for SD 1.x/2.x)")
     if f.caches_text_encoder_outputs and not cfg.network.network_train_unet_only:
         problems.append("--cache_text_encoder_outputs: the CLIP-L LoRA cannot train from cached outputs; add "
                         "--network_train_unet_only or drop the caching flag")
@@ -176,7 +190,7 @@ def _model_file_problems(cfg: TrainConfig) -> list[str]:
     path = cfg.model.pretrained_model_name_or_path
     if not path or not _is_single_file(path):
         return []
-    f = cfg.flux
+    f = cfg.family_config
     wanted = {"clip_l": "clip_l.safetensors", "t5xxl": "t5xxl_fp16.safetensors (or its fp8 version)",
               "ae": "ae.safetensors"}
     return [f"--{name} is required with the single-file transformer {path} (it holds no {name}): give the path of "
@@ -185,7 +199,7 @@ def _model_file_problems(cfg: TrainConfig) -> list[str]:
 
 def _memory_problems(cfg: TrainConfig) -> list[str]:
     """``--blocks_to_swap`` (or ``--split_mode``) and ``--cpu_offload_checkpointing`` exclude each other."""
-    f = cfg.flux
+    f = cfg.family_config
     if f.swapped_blocks > 0 and cfg.precision.cpu_offload_checkpointing:
         given = f"--blocks_to_swap {f.blocks_to_swap}" if f.blocks_to_swap is not None else "--split_mode"
         return [f"{given} cannot be combined with --cpu_offload_checkpointing (as in sd-scripts): both move "
@@ -193,38 +207,9 @@ def _memory_problems(cfg: TrainConfig) -> list[str]:
     return []
 
 
-def _ignored(cfg: TrainConfig) -> list[str]:
-    """Shared flags that upstream's FLUX.1 training leaves without effect (``post_process_loss`` returns the loss
-    as it is, ``get_noise_pred_and_target`` draws plain Gaussian noise, timesteps come from
-    ``--timestep_sampling``, the tokenizers have fixed lengths)."""
-    nz, lo, m = cfg.noise, cfg.loss, cfg.model
-    checks = (
-        ("--noise_offset", nz.noise_offset not in (None, 0)),
-        ("--noise_offset_random_strength", nz.noise_offset_random_strength),
-        ("--adaptive_noise_scale", nz.adaptive_noise_scale not in (None, 0)),
-        ("--multires_noise_iterations", nz.multires_noise_iterations not in (None, 0)),
-        ("--zero_terminal_snr", nz.zero_terminal_snr),
-        ("--min_timestep", nz.min_timestep not in (None, 0)),
-        ("--max_timestep", nz.max_timestep not in (None, 1000)),
-        ("--min_snr_gamma", lo.min_snr_gamma not in (None, 0)),
-        ("--debiased_estimation_loss", lo.debiased_estimation_loss),
-        ("--v_pred_like_loss", lo.v_pred_like_loss not in (None, 0)),
-        ("--clip_skip", m.clip_skip not in (None, 1)),
-        ("--max_token_length", m.max_token_length is not None),
-    )
-    return [name for name, on in checks if on]
-
-
 def _warn(cfg: TrainConfig) -> None:
-    """The warnings of ``flux_train_network.py``: flags without effect for FLUX.1, and the deprecated
-    ``--split_mode``."""
-    ignored = _ignored(cfg)
-    if ignored:
-        log.warning("%s: no effect on FLUX.1 training (sd-scripts' flux_train_network.py ignores them too: "
-                    "flow matching draws plain Gaussian noise and timesteps from --timestep_sampling, and "
-                    "weights the loss only by --weighting_scheme; T5-XXL's length is --t5xxl_max_token_length)",
-                    ", ".join(ignored))
-    f = cfg.flux
+    """The deprecated ``--split_mode`` (the shared flags without effect are warned about from ``IGNORED_FLAGS``)."""
+    f = cfg.family_config
     if f.split_mode and f.blocks_to_swap is not None:
         log.warning("--split_mode is deprecated and ignored because --blocks_to_swap %d is given; remove it",
                     f.blocks_to_swap)
@@ -235,7 +220,7 @@ def _warn(cfg: TrainConfig) -> None:
 
 def flux_script_problems(cfg: TrainConfig) -> list[str]:
     """What ``flux_train_network.py`` refuses (sd-scripts' ``FluxNetworkTrainer.assert_extra_args`` and
-    ``post_process_network``, plus the flags this trainer does not provide for FLUX.1), each message naming what
-    to do instead; flags that have no effect on FLUX.1 are named in a warning."""
+    ``post_process_network``, plus the flags this trainer does not provide for FLUX.1) beyond the shared flags it
+    refuses or ignores (``REFUSED_FLAGS``, ``IGNORED_FLAGS``), each message naming what to do instead."""
     _warn(cfg)
-    return _refusals(cfg) + _range_problems(cfg.flux) + _model_file_problems(cfg) + _memory_problems(cfg)
+    return _refusals(cfg) + _range_problems(cfg.family_config) + _model_file_problems(cfg) + _memory_problems(cfg)

@@ -11,12 +11,14 @@ in the metadata as upstream's ``flux_train_network.py`` (``ss_base_model_version
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from library.families.base import ModelIds
+from library.families.base import ModelFamily, ModelIds
 from library.families.flux.flow import (
     FlowConfig,
     image_ids,
@@ -45,16 +47,9 @@ def flow_config(flux, noise) -> FlowConfig:
 
 
 @dataclass(frozen=True)
-class FluxFamily:
+class FluxFamily(ModelFamily):
     """FLUX.1 dev / schnell (``flux_train_network.py``)."""
 
-    name: str = "flux"
-    caches_text_outputs: bool = True
-    bucket_step: int = 32  # upstream's verify_bucket_reso_steps(32) in flux_train_network.py
-    latent_suffix: str = "_flux"  # FluxLatentsCachingStrategy.FLUX_LATENTS_NPZ_SUFFIX ("_flux.npz")
-    text_cache_suffix: str = "_flux_te.npz"  # --cache_text_encoder_outputs_to_disk files, as upstream names them
-    diffusers_denoiser: bool = False  # a diffusers UNet (attention processors, its checkpointing call)
-    samples_itself: bool = True  # draws sample images with ``sample_image`` (no diffusers pipeline)
     cache_names: tuple[str, ...] = ("l_pooled", "t5_out", "txt_ids", "t5_attn_mask")
 
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
@@ -64,7 +59,7 @@ class FluxFamily:
 
     def metadata(self, cfg: Any) -> dict[str, str]:
         """The keys upstream's ``FluxNetworkTrainer.update_metadata`` adds."""
-        flux = cfg.flux
+        flux = cfg.family_config
         return {"ss_model_type": flux.model_type, "ss_apply_t5_attn_mask": str(flux.apply_t5_attn_mask),
                 "ss_weighting_scheme": flux.weighting_scheme, "ss_logit_mean": str(flux.logit_mean),
                 "ss_logit_std": str(flux.logit_std), "ss_mode_scale": str(flux.mode_scale),
@@ -100,6 +95,17 @@ class FluxFamily:
             log.info("--blocks_to_swap %d: %d double and %d single blocks keep their weights on the host and visit "
                      "%s around their use", section.swapped_blocks, double, single, device)
 
+    def prepare_denoiser(self, model: Any, precision: Any, device: torch.device) -> None:
+        """``--gradient_checkpointing`` of the transformer's blocks (``--cpu_offload_checkpointing``: their
+        inputs kept in host memory); its attention is PyTorch's scaled-dot-product attention always."""
+        if precision.gradient_checkpointing:
+            model.unet.enable_gradient_checkpointing(cpu_offload=precision.cpu_offload_checkpointing)
+
+    def scale_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
+        """``(sample - shift_factor) * scaling_factor`` of the AE's config (BFL's ``AutoEncoder.encode``: 0.1159,
+        0.3611)."""
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
     def store_fp8(self, part: torch.nn.Module, denoiser: bool, dtype: torch.dtype) -> int:
         """``--fp8_base`` as upstream: the whole transformer (``model.to(float8_e4m3fn)``), CLIP-L but its
         embeddings, T5's Linear layers with its gated MLPs re-wired (``fp8.py``)."""
@@ -115,10 +121,10 @@ class FluxFamily:
         """Flow matching (``objective.py``) with the run's flags; the noisy input in upstream's weight dtype (the
         ``--mixed_precision`` dtype, fp32 without)."""
         from library.config import NoiseConfig, PrecisionConfig
-        from library.config.flux import FluxConfig
+        from library.families.flux.config import FluxConfig
         from library.families.flux.objective import FlowObjective
 
-        flux, noise, precision = ((cfg.flux, cfg.noise, cfg.precision) if cfg is not None
+        flux, noise, precision = ((cfg.family_config, cfg.noise, cfg.precision) if cfg is not None
                                   else (FluxConfig(), NoiseConfig(), PrecisionConfig()))
         dtype = MIXED_DTYPES.get(precision.mixed_precision, torch.float32)
         return FlowObjective.of(flow_config(flux, noise), dtype, device)
@@ -157,8 +163,16 @@ class FluxFamily:
         return unpack_latents(pred, packed_h, packed_w)
 
     def sample_image(self, model: Any, unet: torch.nn.Module, prompt: Any, generator: torch.Generator,
-                     device: torch.device) -> Any:
-        """One sample image as upstream's ``flux_train_utils.sample_image_inference`` (``sampling_image.py``)."""
+                     device: torch.device, *, autocast: Callable[[], AbstractContextManager], sampler: str,
+                     clip_skip: int | None, max_token_length: int | None) -> Any:
+        """One sample image as upstream's ``flux_train_utils.sample_image_inference`` (``sampling_image.py``),
+        denoised and decoded under ``autocast`` as upstream; its own Euler sampler, so ``sampler`` does not apply,
+        nor ``--clip_skip`` and ``--max_token_length``."""
         from library.families.flux.sampling_image import flux_sample_image
 
-        return flux_sample_image(model, prompt, generator, device, transformer=unet)
+        with autocast():
+            return flux_sample_image(model, prompt, generator, device, transformer=unet)
+
+    def sample_description(self, prompt: Any, sampler: str) -> str:
+        """Nothing beyond size and seed: ``sampling_image.py`` logs FLUX's settings itself."""
+        return ""

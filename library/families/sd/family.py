@@ -1,34 +1,29 @@
 """Stable Diffusion 1.x / 2.x as a model family (``train_network.py``): one CLIP text encoder, no size conditioning.
 
 Loading: ``library/families/sd/loading.py``; text conditioning: ``library/families/sd/text_encoding.py``; sample
-conditioning: sd-scripts' lpw pipeline (``library/sampling/conditioning.py``). LoRA names are the network's business
-(``networks/families.py``).
+conditioning: sd-scripts' lpw pipeline (``library/families/sd/sample_conditioning.py``); the facts that need no model
+are its record (``spec.py``). LoRA names are the network's business (``networks/lora.py``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from library.base.devices import to_device
 from library.config import ModelConfig
 from library.families.base import ModelIds
 from library.families.unet_hooks import UNetFamilyHooks
-from library.train.readout import to_device
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SDFamily(UNetFamilyHooks):
     """Stable Diffusion 1.x / 2.x (``train_network.py``): one CLIP text encoder, no size conditioning."""
-
-    name: str = "sd"
-    caches_text_outputs: bool = False
-    bucket_step: int = 64  # sd-scripts' verify_bucket_reso_steps(64) in train_network.py
-    latent_suffix: str = "_sd"  # SdSdxlLatentsCachingStrategy.SD_LATENTS_NPZ_SUFFIX
-    text_cache_suffix: str = "_te_outputs.npz"  # --cache_text_encoder_outputs_to_disk files, as upstream names them
-    diffusers_denoiser: bool = True  # a diffusers UNet (attention processors, its checkpointing call)
-    samples_itself: bool = False  # draws sample images with ``sample_image`` (no diffusers pipeline)
 
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
         """sd-scripts' names: ``ss_base_model_version`` sd_v1, sd_v2 or sd_v2_v (``get_sai_model_spec``), the
@@ -41,11 +36,17 @@ class SDFamily(UNetFamilyHooks):
 
     def load(self, cfg: ModelConfig, section: Any, dtype: torch.dtype, file_device: str = "cpu") -> Any:
         """The model in fp32 (``dtype``, the frozen weight dtype, is for built-ins that can be made in it; a single
-        file is read to ``file_device``, ``--lowram``)."""
+        file is read to ``file_device``, ``--lowram``), with the tokenizer of ``--tokenizer_cache_dir`` where given
+        (``parts.load_cached_tokenizer``)."""
         from library.families.sd.loading import load_sd_model
+        from library.families.sd.parts import load_cached_tokenizer
 
-        return load_sd_model(cfg.pretrained_model_name_or_path, v2=cfg.v2, v_parameterization=cfg.v_parameterization,
-                             vae=cfg.vae, file_device=file_device)
+        model = load_sd_model(cfg.pretrained_model_name_or_path, v2=cfg.v2,
+                              v_parameterization=cfg.v_parameterization, vae=cfg.vae, file_device=file_device)
+        if cfg.tokenizer_cache_dir:
+            model.tokenizer, how = load_cached_tokenizer(cfg.tokenizer_cache_dir, cfg.v2)
+            log.info("--tokenizer_cache_dir: %s", how)
+        return model
 
     def text_encoders(self, model: Any) -> list[torch.nn.Module]:
         return [model.text_encoder]
@@ -69,6 +70,14 @@ class SDFamily(UNetFamilyHooks):
                              max_token_length=max_token_length, v2=model.v2)
         return apply_token_weights(states, to_device(weights, device), max_token_length)
 
+    def encode_ids(self, model: Any, ids: torch.Tensor, *, clip_skip: int | None,
+                   max_token_length: int | None) -> torch.Tensor:
+        """Text-encoder states of token ids [B, 77·n] on the device (``library.text.tokens.tokenize``'s form)."""
+        from library.families.sd.text_encoding import encode_text
+
+        return encode_text(model.text_encoder, ids, clip_skip=clip_skip, max_token_length=max_token_length,
+                           v2=model.v2)
+
     def predict(self, model: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: torch.Tensor, batch: dict,
                 dtype: torch.dtype) -> torch.Tensor:
         return model.unet(noisy, timesteps, cond.to(dtype)).sample
@@ -86,8 +95,8 @@ class SDFamily(UNetFamilyHooks):
     def sample_conditioning(self, model: Any, prompt: str, negative: str | None, *, clip_skip: int | None,
                             max_token_length: int | None, device: torch.device) -> dict[str, Any]:
         """The pipeline's text inputs for a sample prompt (``negative`` None: no guidance), as sd-scripts' lpw
-        pipeline computes them (``library/sampling/conditioning.py``); ``max_token_length`` does not apply."""
-        from library.sampling.conditioning import prompt_embeddings
+        pipeline computes them (``sample_conditioning.py``); ``max_token_length`` does not apply."""
+        from library.families.sd.sample_conditioning import prompt_embeddings
 
         texts = [prompt] if negative is None else [prompt, negative]
         embeds = prompt_embeddings(model.text_encoder, model.tokenizer, texts, clip_skip)

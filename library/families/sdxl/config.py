@@ -31,17 +31,26 @@ class SDXLConfig:
         return self.cache_text_encoder_outputs or self.cache_text_encoder_outputs_to_disk
 
 
+# Shared flags this script refuses when set: flag name -> the message.
+REFUSED_FLAGS = {
+    "v2": "--v2 is for Stable Diffusion 2.x; SDXL is not SD 2.x, so remove --v2 (as sd-scripts, which refuses it "
+          "too), or train SD 2.x models with train_network.py",
+    "dataset_class": "--dataset_class is not implemented for SDXL here yet; remove it (it works with "
+                     "train_network.py for SD 1.x/2.x)",
+}
+
+# Shared flags without effect on SDXL: flag name -> why (a warning when set).
+IGNORED_FLAGS = {
+    "clip_skip": "both text encoders give their penultimate layer (sd-scripts warns the same)",
+    "tokenizer_cache_dir": "the bundled tokenizers are used (the same vocabularies as upstream's); the folder is "
+                           "not read",
+}
+
+
 def sdxl_script_problems(cfg: TrainConfig) -> list[str]:
-    """What ``sdxl_train_network.py`` refuses (sd-scripts' ``verify_sdxl_training_args`` / ``assert_extra_args``)."""
-    problems = []
-    if cfg.model.v2:
-        problems.append("--v2 is for Stable Diffusion 2.x; SDXL is not SD 2.x, so remove --v2 (as sd-scripts, which "
-                        "refuses it too), or train SD 2.x models with train_network.py")
-    caching = cfg.sdxl.cache_text_encoder_outputs or cfg.sdxl.cache_text_encoder_outputs_to_disk
-    if caching and not cfg.network.network_train_unet_only:
-        problems.append("--cache_text_encoder_outputs: the text encoders' LoRA cannot train from cached outputs; "
-                        "add --network_train_unet_only (as sd-scripts requires) or drop the caching flag")
-    if cfg.data.dataset_class:
-        problems.append("--dataset_class is not implemented for SDXL here yet; remove it (it works with "
-                        "train_network.py for SD 1.x/2.x)")
-    return problems
+    """What ``sdxl_train_network.py`` refuses (sd-scripts' ``verify_sdxl_training_args`` / ``assert_extra_args``)
+    beyond the shared flags it refuses (``REFUSED_FLAGS``)."""
+    if cfg.family_config.caches_text_encoder_outputs and not cfg.network.network_train_unet_only:
+        return ["--cache_text_encoder_outputs: the text encoders' LoRA cannot train from cached outputs; add "
+                "--network_train_unet_only (as sd-scripts requires) or drop the caching flag"]
+    return []

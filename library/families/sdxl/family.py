@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from library.config import ModelConfig, SDXLConfig
+from library.base.devices import to_device
+from library.config import ModelConfig
 from library.families.base import ModelIds
+from library.families.sdxl.config import SDXLConfig
 from library.families.unet_hooks import UNetFamilyHooks
-from library.train.readout import to_device
 
 
 @dataclass(frozen=True)
@@ -24,13 +25,6 @@ class SDXLFamily(UNetFamilyHooks):
     """Stable Diffusion XL (``sdxl_train_network.py``): CLIP ViT-L + OpenCLIP ViT-bigG, pooled text embedding and
     size conditioning as extra UNet inputs; text encoder outputs can be cached."""
 
-    name: str = "sdxl"
-    caches_text_outputs: bool = True
-    bucket_step: int = 32  # SdxlNetworkTrainer.assert_extra_args: verify_bucket_reso_steps(32)
-    latent_suffix: str = "_sdxl"  # SdSdxlLatentsCachingStrategy.SDXL_LATENTS_NPZ_SUFFIX
-    text_cache_suffix: str = "_te_outputs.npz"  # --cache_text_encoder_outputs_to_disk files, as upstream names them
-    diffusers_denoiser: bool = True  # a diffusers UNet (attention processors, its checkpointing call)
-    samples_itself: bool = False  # draws sample images with ``sample_image`` (no diffusers pipeline)
     cache_names: tuple[str, ...] = ("hidden_state1", "hidden_state2", "pool2")  # upstream's npz keys
 
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:

@@ -16,8 +16,8 @@ import pytest
 
 from library.base.errors import UserError
 from library.config import validate
-from library.config.cli import build_parser, parse_args
-from library.config.flux import FluxConfig
+from library.families.flux.config import FluxConfig
+from tests.config_helpers import build_parser, parse_args
 from tests.unit.config.test_upstream_flags import _cli_value, _toml_value
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -58,9 +58,9 @@ def test_flag_parses_on_the_command_line(flag, tmp_path):
         (tmp_path / "args.toml").write_text("")
         value = [str(tmp_path / "args.toml")]
     cfg, explicit = parse_args(BASE + ["--" + flag["dest"], *value], "flux")
-    assert cfg.family == "flux"
+    assert cfg.family.name == "flux"
     if flag["dest"] in FLUX_ONLY:
-        assert getattr(cfg.flux, flag["dest"]) == _expected(flag)
+        assert getattr(cfg.family_config, flag["dest"]) == _expected(flag)
 
 
 @pytest.mark.parametrize("flag", FLAGS, ids=[f["dest"] for f in FLAGS])
@@ -71,7 +71,7 @@ def test_flag_parses_in_a_config_file(flag, tmp_path):
     toml.write_text(f"[section]\n{flag['dest']} = {_toml_value(flag)}\n")
     cfg, _ = parse_args(BASE + ["--config_file", str(toml)], "flux")
     if flag["dest"] in FLUX_ONLY:
-        assert getattr(cfg.flux, flag["dest"]) == _expected(flag)
+        assert getattr(cfg.family_config, flag["dest"]) == _expected(flag)
 
 
 @pytest.mark.parametrize("dest", FLUX_ONLY)
@@ -81,7 +81,7 @@ def test_defaults_choices_and_types_are_upstreams(dest):
     assert field.default == upstream["default"]
     assert field.metadata["choices"] == (tuple(upstream["choices"]) if upstream["choices"] else None)
     cfg, _ = parse_args(BASE, "flux")
-    assert getattr(cfg.flux, dest) == upstream["default"]
+    assert getattr(cfg.family_config, dest) == upstream["default"]
     kind = str(field.type).split("|")[0].strip()
     if upstream["action"] == "store_true":
         assert kind == "bool"
@@ -152,16 +152,16 @@ def test_the_flux_script_refuses_other_scripts_keys(tmp_path):
         '"clip_g" is an option for SD3 (sd3_train_network.py); flux_train_network.py trains FLUX.1 LoRAs')
     # a key the kohya_ss GUI writes for upstream's full FLUX.1 fine-tuning: not an option of this script either
     toml.write_text("mem_eff_save = true\n")
-    with pytest.raises(UserError, match='unknown key "mem_eff_save"'):
+    with pytest.raises(UserError, match=r'"mem_eff_save" is an option for FLUX.1 fine-tuning \(flux_train.py\)'):
         parse_args(BASE + ["--config_file", str(toml)], "flux")
 
 
 def test_a_shared_key_goes_to_the_scripts_own_section(tmp_path):
     cfg, _ = parse_args(BASE + ["--cache_text_encoder_outputs", "--disable_mmap_load_safetensors"], "flux")
-    assert cfg.flux.cache_text_encoder_outputs and cfg.flux.disable_mmap_load_safetensors
-    assert not cfg.sdxl.cache_text_encoder_outputs and not cfg.sdxl.disable_mmap_load_safetensors
+    assert isinstance(cfg.family_config, FluxConfig)
+    assert cfg.family_config.cache_text_encoder_outputs and cfg.family_config.disable_mmap_load_safetensors
     cfg, _ = parse_args(SD_BASE + ["--cache_text_encoder_outputs"], "sdxl")
-    assert cfg.sdxl.cache_text_encoder_outputs and not cfg.flux.cache_text_encoder_outputs
+    assert not isinstance(cfg.family_config, FluxConfig) and cfg.family_config.cache_text_encoder_outputs
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -207,7 +207,7 @@ def test_the_same_flags_pass_where_they_are_fine():
                                 "--blocks_to_swap", "18", "--gradient_checkpointing", "--fp8_base_unet",
                                 "--mixed_precision", "bf16", "--model_type", "flux"], "flux")
     validate(cfg)
-    assert cfg.flux.caches_text_encoder_outputs and cfg.flux.swapped_blocks == 18
+    assert cfg.family_config.caches_text_encoder_outputs and cfg.family_config.swapped_blocks == 18
     cfg, _ = parse_args(SD_BASE + ["--v_parameterization", "--v2"])
     validate(cfg)
 
@@ -216,16 +216,16 @@ def test_split_mode_is_deprecated_and_means_18_blocks(caplog):
     cfg, _ = parse_args(BASE + ["--split_mode"], "flux")
     with caplog.at_level(logging.WARNING):
         validate(cfg)
-    assert cfg.flux.swapped_blocks == 18
+    assert cfg.family_config.swapped_blocks == 18
     assert any("--split_mode is deprecated: it now means --blocks_to_swap 18" in r.getMessage()
                for r in caplog.records)
     caplog.clear()
     cfg, _ = parse_args(BASE + ["--split_mode", "--blocks_to_swap", "4"], "flux")
     with caplog.at_level(logging.WARNING):
         validate(cfg)
-    assert cfg.flux.swapped_blocks == 4
+    assert cfg.family_config.swapped_blocks == 4
     assert any("ignored because --blocks_to_swap 4 is given" in r.getMessage() for r in caplog.records)
-    assert parse_args(BASE, "flux")[0].flux.swapped_blocks == 0
+    assert parse_args(BASE, "flux")[0].family_config.swapped_blocks == 0
 
 
 def test_flags_upstream_ignores_for_flux_are_named_in_one_warning(caplog):

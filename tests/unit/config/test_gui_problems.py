@@ -10,7 +10,7 @@ from PIL import Image
 
 from library.base.errors import UserError
 from library.config import validate
-from library.config.cli import parse_args
+from tests.config_helpers import parse_args
 
 # The keys the kohya_ss GUI writes every time (library/config/gui.py), so that a file is read as a GUI file.
 GUI_LINES = 'epoch = 1\nnoise_offset_type = "Original"\n'
@@ -82,8 +82,21 @@ def test_the_datasets_problems_come_with_the_others(tmp_path):
         "latent three times)"]
 
 
-def test_the_bucket_steps_are_the_families():
-    from library.config.checks import BUCKET_STEPS
-    from library.families.registry import model_family
+# upstream's verify_bucket_reso_steps per script (48d368fa): train_network.py 64, sdxl_ and flux_train_network.py 32
+UPSTREAM_BUCKET_STEPS = {"sd": 64, "sdxl": 32, "flux": 32}
 
-    assert BUCKET_STEPS == {name: model_family(name).bucket_step for name in BUCKET_STEPS}
+
+@pytest.mark.parametrize("family", sorted(UPSTREAM_BUCKET_STEPS))
+def test_each_script_checks_its_familys_bucket_step(tmp_path, family):
+    from library.families.registry import FAMILIES
+
+    step = UPSTREAM_BUCKET_STEPS[family]
+    assert FAMILIES[family].bucket_step.multiple == step
+    for steps, refused in ((step // 2, True), (step, False)):
+        file = _toml(tmp_path, f"enable_bucket = true\nbucket_reso_steps = {steps}\nfull_bf16 = true\n")
+        cfg, _ = parse_args(["--config_file", str(file)], family)
+        with pytest.raises(UserError) as info:
+            validate(cfg)
+        said = [m for m in info.value.messages if "bucket_reso_steps" in m]
+        assert bool(said) == refused
+        assert not refused or f"must be a multiple of {step} for {FAMILIES[family].display_name}" in said[0]

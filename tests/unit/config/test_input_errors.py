@@ -11,12 +11,13 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from library.base import fs_checks
 from library.base.errors import UserError
 from library.config import DataConfig, NetworkConfig
 from library.config.dataset import read_config_file
 from library.data.dataset import build_train_data
-from library.families.sd.single_file import read_state_dict
-from library.runtime import fs_checks
+from library.families.model_files import read_state_dict
+from library.families.registry import model_family
 from library.train import network_setup
 from library.train.steps import plan_steps
 
@@ -161,16 +162,16 @@ def test_network_weights_file_problems(tmp_path):
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(whole.read_bytes()[:200])
     with pytest.raises(UserError, match=r"--network_weights .*cut.safetensors: cannot be read as a .safetensors"):
-        network_setup.weights_shapes(str(cut))
+        network_setup.network_weights_shapes(str(cut))
     text = tmp_path / "notes.pt"
     text.write_text("not a pickle")
     with pytest.raises(UserError, match=r"--network_weights .*notes.pt: cannot be read as plain tensors .*convert it "
                                         r"to .safetensors"):
-        network_setup.weights_shapes(str(text))
+        network_setup.network_weights_shapes(str(text))
     with pytest.raises(UserError, match=r"--network_weights .*nope.safetensors: no such file"):
-        network_setup.weights_shapes(str(tmp_path / "nope.safetensors"))
-    assert network_setup.weights_shapes(str(whole))["lora_unet_mid_block_attentions_0_proj_in.lora_down.weight"] == (
-        4, 32)
+        network_setup.network_weights_shapes(str(tmp_path / "nope.safetensors"))
+    shapes = network_setup.network_weights_shapes(str(whole))
+    assert shapes["lora_unet_mid_block_attentions_0_proj_in.lora_down.weight"] == (4, 32)
 
 
 class _Network:
@@ -235,7 +236,8 @@ def test_network_alpha_defaults_to_one_as_sd_scripts_passes_it(monkeypatch):
     monkeypatch.setattr(network_setup.importlib, "import_module", lambda name: fake)
     model = SimpleNamespace(vae=None, text_encoder=None, unet=None)
     policy = SimpleNamespace(network_dtype=torch.float32)
-    network_setup.build_network(NetworkConfig(network_module="lycoris.kohya"), model, policy, torch.device("cpu"))
+    network_setup.build_network(NetworkConfig(network_module="lycoris.kohya"), model, policy, torch.device("cpu"),
+                                family=model_family("sd"))
     assert seen["alpha"] == 1.0
 
 
@@ -243,7 +245,7 @@ def test_truncated_part_of_a_diffusers_folder(tmp_path):
     from diffusers import AutoencoderKL
 
     from library.families.sd import loading
-    from library.tiny_model import build_tiny_sd15
+    from library.families.sd.tiny_files import build_tiny_sd15
 
     build_tiny_sd15().vae.save_pretrained(tmp_path / "vae")
     weights = next((tmp_path / "vae").glob("*.safetensors"))

@@ -10,7 +10,7 @@ import pytest
 
 from library.base.errors import UserError
 from library.config import validate
-from library.config.cli import parse_args
+from tests.config_helpers import parse_args
 
 BASE = ["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--output_dir", "out", "--train_data_dir", "data"]
 

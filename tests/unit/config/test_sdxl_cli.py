@@ -11,7 +11,7 @@ import pytest
 
 from library.base.errors import UserError
 from library.config import validate
-from library.config.cli import parse_args
+from tests.config_helpers import parse_args
 from tests.unit.config.test_upstream_flags import _cli_value, _toml_value
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -34,7 +34,7 @@ def test_flag_parses_on_the_command_line(flag, tmp_path):
         (tmp_path / "args.toml").write_text("")
         value = [str(tmp_path / "args.toml")]
     cfg, _ = parse_args(BASE + ["--" + flag["dest"], *value], "sdxl")
-    assert cfg.family == "sdxl"
+    assert cfg.family.name == "sdxl"
 
 
 @pytest.mark.parametrize("flag", FLAGS, ids=[f["dest"] for f in FLAGS])
@@ -55,7 +55,7 @@ def test_sdxl_only_flags_are_refused_by_train_network(name, tmp_path):
     with pytest.raises(UserError, match=r"option for SDXL \(sdxl_train_network.py\).*trains SD 1.x/2.x"):
         parse_args(BASE + ["--config_file", str(toml)])
     cfg, _ = parse_args(BASE + ["--config_file", str(toml)], "sdxl")
-    assert getattr(cfg.sdxl, name) is True
+    assert getattr(cfg.family_config, name) is True
 
 
 @pytest.mark.parametrize("argv,match", [

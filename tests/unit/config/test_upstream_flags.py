@@ -11,7 +11,7 @@ import pytest
 
 from library.base.errors import UserError
 from library.config import all_fields, field_default, validate
-from library.config.cli import parse_args
+from tests.config_helpers import parse_args
 
 FLAGS = json.loads((Path(__file__).resolve().parents[2] / "data" / "upstream_train_network_flags.json").read_text())[
     "flags"]

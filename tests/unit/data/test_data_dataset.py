@@ -21,7 +21,7 @@ def cli(tmp_path, **kw) -> DataConfig:
 
 
 def test_worked_example_repeats_and_regularisation(tmp_path, make_folder):
-    """SD_SCRIPTS_BEHAVIOR §4.2: 20 images x 10 repeats, batch 2 -> 100 batches; + 20 reg images -> 200."""
+    """sd-scripts' epoch arithmetic: 20 images x 10 repeats, batch 2 -> 100 batches; + 20 reg images -> 200."""
     make_folder("train/10_sks dog", 20)
     data = build_train_data(cli(tmp_path, train_batch_size=2), seed=0)
     assert (data.num_train_images, data.num_reg_images, len(data)) == (200, 0, 100)

@@ -19,7 +19,10 @@ from library.config import DataConfig, LossConfig
 from library.data.batches import BatchKey
 from library.data.dataset import build_train_data
 from library.data.latent_cache import CACHE_KEY
-from library.train.loss import per_sample_loss
+from library.objectives.loss import per_sample_loss
+from tests.config_helpers import latent_files
+
+SD_FILES = latent_files()  # SD 1.x's latent cache files (suffix _sd, 4 channels)
 
 
 def write_rgba(path, alpha: np.ndarray, red: np.ndarray | None = None):
@@ -189,7 +192,7 @@ def test_cached_and_uncached_runs_give_the_same_masks(tmp_path, to_disk):
                "alpha_mask": True, "flip_aug": True}
     plain = [b["loss_masks"] for b in batches(cli_data(tmp_path, **options))]
     cached_data = cli_data(tmp_path, **options)
-    cached_data.cache_latents(FakeVAE(), to_disk=to_disk, vae_id="v", batch_size=2)
+    cached_data.cache_latents(FakeVAE(), files=SD_FILES, to_disk=to_disk, vae_id="v", batch_size=2)
     cached = [b for b in batches(cached_data)]
     assert all("images" not in b for b in cached)
     assert all(torch.equal(p, c["loss_masks"]) for p, c in zip(plain, cached, strict=True))
@@ -204,12 +207,12 @@ def test_cached_and_uncached_runs_give_the_same_masks(tmp_path, to_disk):
 def test_cache_without_alpha_mask_is_rebuilt_when_masks_are_needed(tmp_path):
     write_rgba(tmp_path / "train/1_x/a.png", pattern(64, 64))
     npz_file = tmp_path / "train/1_x/a_0064x0064_sd.npz"
-    cli_data(tmp_path, resolution=(64, 64), masked_loss=False).cache_latents(FakeVAE(), to_disk=True, vae_id="v",
-                                                                             batch_size=1)
+    data = cli_data(tmp_path, resolution=(64, 64), masked_loss=False)
+    data.cache_latents(FakeVAE(), files=SD_FILES, to_disk=True, vae_id="v", batch_size=1)
     with np.load(npz_file) as npz:
         assert "alpha_mask" not in npz.files
     data = cli_data(tmp_path, resolution=(64, 64), alpha_mask=True)
-    data.cache_latents(FakeVAE(), to_disk=True, vae_id="v", batch_size=1)
+    data.cache_latents(FakeVAE(), files=SD_FILES, to_disk=True, vae_id="v", batch_size=1)
     with np.load(npz_file) as npz:
         assert {"alpha_mask", CACHE_KEY} <= set(npz.files)
         expected = pattern(64, 64).astype(np.float32) / 255.0
@@ -223,7 +226,7 @@ def test_conditioning_masks_with_cached_latents(tmp_path):
                        general=["enable_bucket = true", "min_bucket_reso = 64", "max_bucket_reso = 128"])
     plain = [b["loss_masks"] for b in batches(build_train_data(cfg, seed=0, masked_loss=True))]
     data = build_train_data(cfg, seed=0, masked_loss=True)
-    data.cache_latents(FakeVAE(), to_disk=False, vae_id="v", batch_size=1)
+    data.cache_latents(FakeVAE(), files=SD_FILES, to_disk=False, vae_id="v", batch_size=1)
     assert all(torch.equal(p, b["loss_masks"]) for p, b in zip(plain, batches(data), strict=True))
 
 

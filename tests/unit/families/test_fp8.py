@@ -17,7 +17,8 @@ from library.config.precision import precision_problems
 from library.families.fp8 import FP8, fp8_bytes, store_fp8
 from library.families.model_setup import store_frozen_fp8
 from library.families.precision import precision_policy
-from library.tiny_model import build_tiny_sd15
+from library.families.registry import model_family
+from library.families.sd.tiny_files import build_tiny_sd15
 
 torch.set_num_threads(1)
 BF16 = torch.bfloat16
@@ -161,7 +162,7 @@ def test_which_parts_are_stored_in_fp8(tiny, flags, unet_fp8, te_fp8):
     assert (policy.unet_fp8, policy.text_encoder_fp8) == (unet_fp8, te_fp8)
     model = copy.copy(tiny)
     model.unet, model.text_encoder = copy.deepcopy(tiny.unet), copy.deepcopy(tiny.text_encoder)
-    store_frozen_fp8(model, policy)
+    store_frozen_fp8(model, policy, model_family("sd"))
     assert (model.unet.conv_in.weight.dtype == FP8) == unet_fp8
     assert (model.text_encoder.final_layer_norm.weight.dtype == FP8) == te_fp8
     line = policy.describe("fp32")

@@ -1,5 +1,5 @@
-"""Loader and memory switches of the model stage: ``--tokenizer_cache_dir``, ``--cpu_offload_checkpointing``,
-``--lowram`` and ``--highvram``.
+"""Loader and memory switches of the model stage: ``--tokenizer_cache_dir``, ``--cpu_offload_checkpointing``
+and ``--lowram`` (``--highvram``'s caching: ``tests/unit/data/test_encode_caches.py``).
 
 Expected values: the cache folder names are sd-scripts' (the hub id with "/" -> "_"); the tokenizer ids are
 openai/clip-vit-large-patch14's; checkpointing with offloaded tensors must give the same gradients as plain
@@ -19,7 +19,7 @@ from library.config import PrecisionConfig
 from library.config.precision import precision_problems
 from library.families import model_setup
 from library.families.sd.parts import load_cached_tokenizer
-from library.tiny_model import build_tiny_sd15
+from library.families.sd.tiny_files import build_tiny_sd15
 
 torch.set_num_threads(1)
 CAT_IDS = [49406, 320, 1125, 539, 320, 2368, 49407]  # "a photo of a cat"
@@ -100,16 +100,6 @@ def test_cpu_offload_needs_gradient_checkpointing():
         "--cpu_offload_checkpointing offloads the tensors of gradient checkpointing; add --gradient_checkpointing "
         "or drop it"]
     assert precision_problems(PrecisionConfig(cpu_offload_checkpointing=True, gradient_checkpointing=True)) == []
-
-
-def test_latent_caching_empties_the_cuda_cache_unless_highvram(monkeypatch):
-    calls = []
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
-    model_setup.release_cached_memory(torch.device("cuda"), highvram=False)
-    assert len(calls) == 1
-    model_setup.release_cached_memory(torch.device("cuda"), highvram=True)
-    model_setup.release_cached_memory(torch.device("cpu"), highvram=False)
-    assert len(calls) == 1
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from library.families.sd.parts import SDModel
-from library.tiny_model import build_tiny_sd15
+from library.families.sd.tiny_files import build_tiny_sd15
 
 torch.set_num_threads(1)
 

@@ -1,7 +1,7 @@
 """Key names, counts, shapes, alpha/scale and init of networks.lora on the tiny SD1.5 (real SD1.5 module layout).
 
-The expected names are written out from the SD1.5 U-Net / CLIP layout (sd-scripts §9.1-9.2), not taken from the
-code under test.
+The expected names are written out from the SD1.5 U-Net / CLIP layout (sd-scripts' networks/lora.py naming rules), not
+taken from the code under test.
 """
 
 from __future__ import annotations

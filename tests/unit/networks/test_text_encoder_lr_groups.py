@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from library.config import OptimizerConfig
+from library.families.sd.tiny_files import build_tiny_sd15
 from library.families.sdxl.loading import build_builtin_sdxl
-from library.tiny_model import build_tiny_sd15
 from library.train import network_setup
 from library.train.tracking import lr_tags
 from networks import lora, lora_fa

@@ -6,7 +6,7 @@
   many independent roundings of the same fp32 value: the mean must lie within 4 standard errors of that value as
   computed by the test's own fp64 formula (4 rather than 3 because fp32 vs fp64 arithmetic adds a tiny offset; SR is
   unbiased, so anything systematic would show up as many standard errors).
-* Compass vs a tiny fp64 reference of the documented update (OPTIMIZERS.md §6) written here: with fp32 parameters
+* Compass vs a tiny fp64 reference of the documented update (docs/optimizers.md §6) written here: with fp32 parameters
   there is no rounding, so 20 steps must agree to fp32 precision (rtol 1e-5).
 """
 
@@ -66,7 +66,7 @@ def test_matches_torchastic_bitwise_with_round_to_nearest(
 def adamw_one_step_fp64(
     theta: float, grad: float, lr: float, betas: tuple[float, float], eps: float, wd: float
 ) -> float:
-    """First Torchastic AdamW step from zero moments, in fp64 (OPTIMIZERS.md §5)."""
+    """First Torchastic AdamW step from zero moments, in fp64 (docs/optimizers.md §5)."""
     beta1, beta2 = betas
     m = (1 - beta1) * grad
     v = (1 - beta2) * grad * grad
@@ -99,7 +99,7 @@ def compass_reference_fp64(
     theta: torch.Tensor, grads: list[torch.Tensor], lr: float, betas: tuple[float, float], amp_fac: float,
     eps: float, wd: float, centralization: float,
 ) -> torch.Tensor:
-    """The documented Compass update (OPTIMIZERS.md §6), fp64, written independently of optimizers/compass.py."""
+    """The documented Compass update (docs/optimizers.md §6), fp64, written independently of optimizers/compass.py."""
     beta1, beta2 = betas
     theta = theta.double().clone()
     m = torch.zeros_like(theta)

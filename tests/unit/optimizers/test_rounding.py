@@ -1,4 +1,4 @@
-"""The stochastic rounding kernel (OPTIMIZERS.md §3): unbiased, bf16-exact, NaN/Inf/±0 safe, seeded."""
+"""The stochastic rounding kernel (docs/optimizers.md §3): unbiased, bf16-exact, NaN/Inf/±0 safe, seeded."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from tests.unit.optimizers.problem import compute_grads, loss_of, make_params
 
 def reference_update_fp64(theta: torch.Tensor, grads: list[torch.Tensor], lr: float, alpha: float,
                           centralization: float) -> torch.Tensor:
-    """OPTIMIZERS.md §7.2 without kick/clip/decay, fp64, per-row std for 2-D tensors (written independently)."""
+    """docs/optimizers.md §7.2 without kick/clip/decay, fp64, per-row std for 2-D tensors (written independently)."""
     beta1, beta2, amp_fac, eps = 0.9, 0.999, 2.0, 1e-8
     theta = theta.double().clone()
     m = torch.zeros_like(theta)

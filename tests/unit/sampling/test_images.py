@@ -18,13 +18,15 @@ import torch
 from library.config import LogConfig
 from library.config.sample import SAMPLERS
 from library.families.precision import PrecisionPolicy
+from library.families.registry import model_family
+from library.families.schedulers import SAMPLER_SPECS, missing_package
 from library.sampling.images import SampleImages, make_sample_hooks, sample_file_name
 from library.sampling.prompts import SamplePlan, SamplePrompt
-from library.sampling.schedulers import SAMPLER_SPECS, missing_package
 from library.train.position import Position
 from library.train.tracking import Tracker
 
 FP32 = PrecisionPolicy(torch.float32, torch.float32, torch.float32, None, False)
+SD = model_family("sd")
 BF16 = PrecisionPolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16, False)
 WHEN = 1_790_000_000.0
 STAMP = datetime.fromtimestamp(WHEN).strftime("%Y%m%d%H%M%S")
@@ -50,7 +52,7 @@ class FakeTracker:
 
 def tiny_with_lora(dtype: torch.dtype = torch.float32):
     """The tiny model with a LoRA whose up weights are non-zero and whose dropouts are on (training mode)."""
-    from library.tiny_model import build_tiny_sd15
+    from library.families.sd.tiny_files import build_tiny_sd15
     from networks.lora import create_network
 
     model = build_tiny_sd15()
@@ -77,7 +79,7 @@ def make_images(tiny, prompts, folder: Path, *, sampler="ddim", tracker=None, po
     model, network = tiny
     plan = SamplePlan(Path("prompts.txt"), tuple(prompts), sampler, None, None, False)
     return SampleImages(plan, model, network, policy, torch.device("cpu"), folder, "lora", tracker or FakeTracker(),
-                        clip_skip=None)
+                        clip_skip=None, family=SD)
 
 
 def pixels(path: Path) -> np.ndarray:
@@ -227,7 +229,8 @@ def test_fake_tracker_gets_images_and_captions(tiny, tmp_path):
 
 
 def test_no_plan_never_samples():
-    hooks = make_sample_hooks(None, None, None, FP32, torch.device("cpu"), Path("out"), "lora", FakeTracker(), None)
+    hooks = make_sample_hooks(None, None, None, FP32, torch.device("cpu"), Path("out"), "lora", FakeTracker(), None,
+                              SD)
     assert (hooks.every_n_steps, hooks.every_n_epochs, hooks.at_first) == (None, None, False)
 
 
@@ -240,7 +243,7 @@ def test_cuda_rng_untouched_and_vae_back_on_cpu(tmp_path):
     network.to("cuda")
     plan = SamplePlan(Path("p.txt"), (SamplePrompt(0, "a", width=64, height=64, steps=2, seed=1),), "euler_a", None,
                       None, False)
-    images = SampleImages(plan, model, network, FP32, torch.device("cuda"), tmp_path, "lora", FakeTracker(), None)
+    images = SampleImages(plan, model, network, FP32, torch.device("cuda"), tmp_path, "lora", FakeTracker(), None, SD)
     cuda_state, cpu_state = torch.cuda.get_rng_state(), torch.get_rng_state()
     images(Position(), 0)
     assert torch.equal(torch.cuda.get_rng_state(), cuda_state) and torch.equal(torch.get_rng_state(), cpu_state)

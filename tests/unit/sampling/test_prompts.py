@@ -225,7 +225,7 @@ def test_bad_file_fails_the_plan(tmp_path):
 
 
 def test_sampler_needing_a_missing_package(tmp_path, monkeypatch):
-    import library.sampling.schedulers as samplers
+    import library.families.schedulers as samplers
 
     monkeypatch.setattr(samplers.importlib.util, "find_spec", lambda name: None)
     path = write(tmp_path, "p.txt", "a --ss k_lms\nb\n")

@@ -1,4 +1,4 @@
-"""Sampler names → diffusers schedulers (``library/sampling/schedulers.py``), against sd-scripts' ``get_my_scheduler``
+"""Sampler names → diffusers schedulers (``library/families/schedulers.py``), against sd-scripts' ``get_my_scheduler``
 (48d368fa), whose mapping is written out here by hand."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from library.config.sample import SAMPLERS
-from library.sampling.schedulers import SAMPLER_SPECS, build_scheduler, missing_package
+from library.families.schedulers import SAMPLER_SPECS, build_scheduler, missing_package
 
 UPSTREAM = {
     "ddim": "DDIMScheduler", "pndm": "PNDMScheduler", "lms": "LMSDiscreteScheduler",

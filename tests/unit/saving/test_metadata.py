@@ -14,9 +14,9 @@ import os
 import pytest
 
 from library.base.errors import UserError
-from library.config.cli import parse_args
 from library.families.sd.family import SDFamily
 from library.saving.metadata import Metadata, model_identity, modelspec, thumbnail_data_url
+from tests.config_helpers import parse_args
 
 BASE = ["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--train_data_dir", "x", "--output_dir", "o"]
 

@@ -14,10 +14,10 @@ import re
 
 import pytest
 
-from library.config.cli import parse_args
 from library.families.sdxl.family import SDXLFamily
 from library.saving.metadata import training_metadata
 from library.train.steps import plan_steps
+from tests.config_helpers import parse_args
 
 BASE = ["--pretrained_model_name_or_path", "builtin:tiny-sdxl", "--train_data_dir", "x", "--output_dir", "o"]
 

@@ -127,14 +127,16 @@ def test_encoded_weighted_caption(tok1, text_encoder):
 def test_batch_loss_conditioning_applies_the_weights():
     from library.config import LossConfig, NoiseConfig, PrecisionConfig
     from library.families.precision import precision_policy
-    from library.tiny_model import build_tiny_sd15
+    from library.families.registry import model_family
+    from library.families.sd.tiny_files import build_tiny_sd15
     from library.train.batch_loss import BatchLoss
 
     model = build_tiny_sd15()
 
     def conditioning(weighted: bool) -> torch.Tensor:
         batch_loss = BatchLoss(model, None, NoiseConfig(), LossConfig(), precision_policy(PrecisionConfig()),
-                               torch.device("cpu"), torch.Generator(), None, None, False, weighted)
+                               torch.device("cpu"), torch.Generator(), None, None, False, model_family("sd"),
+                               weighted)
         with torch.no_grad():
             return batch_loss.conditioning(["a (cat:1.5)"])
 

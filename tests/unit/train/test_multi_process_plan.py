@@ -18,13 +18,13 @@ from torch.utils.data import BatchSampler
 
 from library.base.errors import UserError
 from library.config import OptimizerConfig, ScheduleConfig
-from library.config.cli import parse_args
 from library.families.sd.family import SDFamily
 from library.saving.metadata import training_metadata
 from library.train import optimizer_setup
 from library.train.accumulation import build_accumulation
 from library.train.steps import plan_steps
-from library.train.update import Updater
+from library.train.update import make_updater
+from tests.config_helpers import parse_args
 
 GRID = [(images, batch, accumulation, processes)
         for images in (1, 5, 8, 13) for batch in (1, 2, 3) for accumulation in (1, 2, 4)
@@ -95,9 +95,9 @@ def test_lr_schedule_ticks_once_per_process_and_update(name, warmup, processes):
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=1.0)
-    updater = Updater([param], optimizer, optimizer_setup.build_scheduler(optimizer, planned),
-                      build_accumulation(torch.nn.Linear(1, 1), steps=1, network_dtype=torch.float32,
-                                         mode="stochastic"), 1, 0.0, 3, scheduler_ticks=plan.num_processes)
+    updater = make_updater([param], optimizer, optimizer_setup.build_scheduler(optimizer, planned),
+                           build_accumulation(torch.nn.Linear(1, 1), steps=1, network_dtype=torch.float32,
+                                              mode="stochastic"), 1, 0.0, 3, scheduler_ticks=plan.num_processes)
     ours = []
     for _ in range(updates):
         ours.append(optimizer.param_groups[0]["lr"])

@@ -13,8 +13,8 @@ import pytest
 
 from library.base.errors import UserError
 from library.config import public_snapshot, validate
-from library.config.cli import parse_args
 from library.train.tracking import Tracker, tracker_config
+from tests.config_helpers import parse_args
 
 BASE = ["--pretrained_model_name_or_path", "/models/secret_model.safetensors", "--output_dir", "/srv/me/out",
         "--train_data_dir", "/srv/me/data", "--network_dim", "8", "--network_args", "conv_dim=4"]

@@ -9,6 +9,7 @@ import torch
 from library.config import LossConfig, ModelConfig, NetworkConfig, NoiseConfig, PrecisionConfig, ValidationConfig
 from library.families.model_setup import load_model
 from library.families.precision import precision_policy
+from library.families.registry import model_family
 from library.train import validation as validation_module
 from library.train.batch_loss import BatchLoss
 from library.train.network_setup import build_network
@@ -30,13 +31,14 @@ def batch_loss():
     device = torch.device("cpu")
     policy = precision_policy(PrecisionConfig())
     model = load_model(ModelConfig(pretrained_model_name_or_path="builtin:tiny-sd15"), PrecisionConfig(), policy,
-                       device)
-    network, train_te = build_network(NetworkConfig(network_dim=4, network_alpha=4.0), model, policy, device)
+                       device, family=model_family("sd"))
+    network, train_te = build_network(NetworkConfig(network_dim=4, network_alpha=4.0), model, policy, device,
+                                      family=model_family("sd"))
     torch.manual_seed(0)
     for p in network.parameters():  # a LoRA that changes the outputs
         torch.nn.init.normal_(p, std=0.05)
     return BatchLoss(model, network, NoiseConfig(), LossConfig(), policy, device, torch.Generator().manual_seed(3),
-                     None, None, train_te)
+                     None, None, train_te, model_family("sd"))
 
 
 @pytest.fixture(scope="module")

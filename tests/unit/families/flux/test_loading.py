@@ -15,7 +15,7 @@ from library.families.flux.checkpoints import load_transformer, save_diffusers_t
 from library.families.flux.diffusers_keys import bfl_to_diffusers, diffusers_to_bfl
 from library.families.flux.loading import load_flux_model
 from library.families.flux.part_files import load_ae
-from library.tiny_model import FLUX_FILES, write_tiny_flux
+from library.families.flux.tiny_files import FLUX_FILES, write_tiny_flux
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,30 @@
+"""Stable Diffusion 1.x / 2.x's record (``train_network.py``): the facts the shared stages read about it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from library.config.dataset import BucketStep
+from library.families.spec import FamilySpec
+
+
+def _write_tiny(out_dir: Path) -> str:
+    from library.families.sd.tiny_files import write_tiny_files
+
+    return write_tiny_files(out_dir)
+
+
+def _behaviour():
+    from library.families.sd.family import SDFamily
+
+    return SDFamily()
+
+
+SPEC = FamilySpec(
+    name="sd", display_name="SD 1.x/2.x", script="train_network.py",
+    description="Train a LoRA for Stable Diffusion 1.x/2.x (kohya sd-scripts flags).", trains="SD 1.x/2.x LoRAs",
+    load=_behaviour, write_tiny=_write_tiny,
+    # sd-scripts' verify_bucket_reso_steps(64) in train_network.py
+    bucket_step=BucketStep(64, "for SD 1.x/2.x (the UNet halves the latent three times)"),
+    latent_suffix="_sd",  # SdSdxlLatentsCachingStrategy.SD_LATENTS_NPZ_SUFFIX
+)

@@ -1,0 +1,55 @@
+"""A model family's record: the facts about it that the shared stages read, and how to get its behaviour.
+
+Each family package (``sd/``, ``sdxl/``, ``flux/``) exports one ``FamilySpec`` from its ``spec.py``, and
+``library/families/registry.py`` lists them; nothing else keeps a table keyed by family name. A spec imports no
+torch, so the entry scripts answer ``--help`` and configuration errors at once: the command line, the TOML checks
+(``library/config/``), the dataset rules (bucket step, cache file names and latent channels) and the choice of LoRA
+module read it. What needs the model (loading, text conditioning, prediction, sampling) is the behaviour object
+``load()`` returns, a ``library.families.base.ModelFamily``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from library.config.dataset import UNET_BUCKET_STEP, BucketStep
+
+
+def _no_problems(cfg: Any) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One model family, as its entry script presents it and as the shared stages ask about it."""
+
+    name: str  # its key in the registry and ``TrainConfig.family.name``
+    display_name: str  # how messages name it: "SD 1.x/2.x", "SDXL", "FLUX.1"
+    script: str  # its LoRA entry script, upstream's name: ``train_network.py``, ``flux_train_network.py``
+    description: str  # the first line of the script's ``--help``
+    trains: str  # what a configuration error says the script trains: "SDXL LoRAs"
+    load: Callable[[], Any]  # the behaviour object (``ModelFamily``); imports torch
+    section_name: str | None = None  # the ``--help`` group and snapshot name of its own flags
+    section: type | None = None  # the dataclass of its own flags (``TrainConfig.family_config`` holds one)
+    script_problems: Callable[[Any], list[str]] = _no_problems  # its own checks of a ``TrainConfig``
+    bucket_step: BucketStep = UNET_BUCKET_STEP  # ``bucket_reso_steps``' multiple (verify_bucket_reso_steps), and why
+    latent_suffix: str = "_sd"  # latent cache files ``<image>_<W>x<H><suffix>.npz``, as upstream names them
+    latent_channels: int = 4  # the channels of those latents
+    text_cache_suffix: str = "_te_outputs.npz"  # ``--cache_text_encoder_outputs_to_disk`` files, as upstream's
+    network_module: str = "networks.lora"  # its LoRA module (keys, block layout, ``--network_args``)
+    # Shared flags it ignores: flag name -> why; a run that sets one (other than to its default) gets a warning.
+    ignored_flags: Mapping[str, str] = field(default_factory=dict)
+    # Shared flags it refuses: flag name -> the message (what to do instead); set, they stop the run with exit 2.
+    refused_flags: Mapping[str, str] = field(default_factory=dict)
+    sample_guidance: bool = False  # its sampler reads a prompt's guidance scale (``--g``) and distilled CFG
+    # ``python -m library.tiny_model --<name> OUT_DIR``: writes its tiny model's files, says what it wrote
+    write_tiny: Callable[[Path], str] | None = None
+
+    def family_config(self, values: Mapping[str, Any]) -> Any:
+        """Its own section filled from parsed flag values (None for a family without flags of its own)."""
+        if self.section is None:
+            return None
+        return self.section(**{f.name: values[f.name] for f in fields(self.section) if f.name in values})
