@@ -72,6 +72,11 @@ class ModelFamily(ABC):
         ``--cpu_offload_checkpointing`` offloaded); nothing here."""
         return None
 
+    def checkpoint_text_encoder(self, text_encoder: torch.nn.Module) -> None:
+        """``--gradient_checkpointing`` for one text encoder: transformers' switch (CLIP and T5 are transformers
+        models in every family here); a family with encoders of its own overrides it."""
+        text_encoder.gradient_checkpointing_enable()
+
     def store_fp8(self, part: torch.nn.Module, denoiser: bool, dtype: torch.dtype) -> int:
         """``--fp8_base``: store a frozen part's Linear and Conv weights in fp8 computed in ``dtype``
         (``denoiser``: the U-Net or transformer); returns the number of layers converted."""

@@ -42,7 +42,7 @@ def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPo
         # diffusers and transformers only checkpoint modules in training mode (sd-scripts sets train() too).
         model.unet.train()
         for text_encoder in text_encoders:
-            text_encoder.gradient_checkpointing_enable()
+            family.checkpoint_text_encoder(text_encoder)
             text_encoder.train()
         if precision.cpu_offload_checkpointing and device.type == "cpu":
             log.info("--cpu_offload_checkpointing: training on the CPU, so the checkpointed tensors already are in "

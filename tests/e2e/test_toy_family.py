@@ -133,7 +133,7 @@ def test_the_validation_loss_is_logged(runs):
 def test_latents_are_cached_under_the_toys_name_and_channels(toy, tmp_path, caplog):
     data = tmp_path / "data"
     shutil.copytree(SAMPLES, data)
-    extra = ("--max_train_steps", "1", "--cache_latents_to_disk", "--clip_skip", "2")
+    extra = ("--max_train_steps", "1", "--cache_latents_to_disk", "--clip_skip", "2", "--gradient_checkpointing")
     assert toy_train_network.main(toy_args(tmp_path / "out", *extra, data=data)) == 0
     files = sorted((data / "10_shapes").glob("*.npz"))
     assert len(files) == 8 and all(f.name.endswith("_toy.npz") for f in files)

@@ -28,6 +28,9 @@ class ToyFamily(ModelFamily):
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
         return IDS
 
+    def checkpoint_text_encoder(self, text_encoder: torch.nn.Module) -> None:
+        """``--gradient_checkpointing``: the toy encoder is no transformers model and too small to checkpoint."""
+
     def load(self, cfg: Any, section: Any, dtype: torch.dtype, file_device: str = "cpu") -> Any:
         if cfg.pretrained_model_name_or_path != BUILTIN:
             raise UserError(f"--pretrained_model_name_or_path {cfg.pretrained_model_name_or_path}: the toy family "
