@@ -7,7 +7,6 @@ import pytest
 
 from library.config import validate
 from library.data.dataset import build_train_data
-from library.families.registry import model_family
 from library.train.optimizer_setup import check_optimizer
 from tests.config_helpers import parse_args
 
@@ -23,7 +22,7 @@ def test_config_loads_validates_and_its_data_builds(path, monkeypatch):
     cfg, _ = parse_args(["--config_file", str(path)], family)
     validate(cfg)
     check_optimizer(cfg.optimizer, cfg.schedule)
-    data = build_train_data(cfg.data, seed=0, bucket_step=model_family(family).bucket_step)
+    data = build_train_data(cfg.data, seed=0, bucket_step=cfg.family.bucket_step)
     assert len(data) > 0
 
 
