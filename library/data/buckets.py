@@ -86,10 +86,11 @@ def select_bucket_no_upscale(image_size: tuple[int, int], max_area: int, steps: 
 
 def snap_min_max(min_reso: int, max_reso: int, steps: int) -> tuple[int, int, list[str]]:
     """Round ``min_bucket_reso`` down and ``max_bucket_reso`` up to multiples of ``steps``, with sd-scripts'
-    warnings (``BaseDataset.adjust_min_max_bucket_reso_by_steps``)."""
+    warnings (``BaseDataset.adjust_min_max_bucket_reso_by_steps``). Where we differ: a ``min_bucket_reso`` below
+    ``steps`` becomes ``steps``, not 0 (upstream then divides by zero making the buckets)."""
     warnings = []
     if min_reso % steps:
-        snapped = min_reso - min_reso % steps
+        snapped = max(steps, min_reso - min_reso % steps)
         warnings.append(f"min_bucket_reso {min_reso} is not a multiple of bucket_reso_steps {steps}; using {snapped}")
         min_reso = snapped
     if max_reso % steps:

@@ -70,6 +70,8 @@ def test_snap_min_max_rounds_outwards_with_warnings():
     assert (low, high) == (192, 1024)
     assert len(warnings) == 2 and "192" in warnings[0] and "1024" in warnings[1]
     assert snap_min_max(256, 1024, 64) == (256, 1024, [])
+    low, _, warnings = snap_min_max(32, 1024, 64)  # upstream's 0 would divide by zero making the buckets
+    assert low == 64 and warnings == ["min_bucket_reso 32 is not a multiple of bucket_reso_steps 64; using 64"]
 
 
 def test_crop_ltrb():
