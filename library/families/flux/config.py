@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from library.config.fields import flag
+from library.families.text_output_caching import TextOutputCaching
 
 if TYPE_CHECKING:
     from library.config.sections import TrainConfig
@@ -26,7 +27,7 @@ SPLIT_MODE_BLOCKS = 18
 
 
 @dataclass
-class FluxConfig:
+class FluxConfig(TextOutputCaching):
     """FLUX.1 only: the model files, the flow-matching timesteps and loss, and the memory options of the DiT."""
 
     clip_l: str | None = flag(
@@ -106,11 +107,6 @@ class FluxConfig:
             return self.blocks_to_swap
         return SPLIT_MODE_BLOCKS if self.split_mode else 0
 
-    @property
-    def caches_text_encoder_outputs(self) -> bool:
-        """Whether text-encoder outputs are cached (``--cache_text_encoder_outputs_to_disk`` implies it)."""
-        return self.cache_text_encoder_outputs or self.cache_text_encoder_outputs_to_disk
-
 
 _CHROMA = ("--model_type chroma: Chroma (a FLUX.1-schnell derivative without CLIP-L that needs "
            "--apply_t5_attn_mask) is not supported here yet; train FLUX.1 dev or schnell with --model_type flux, or "
@@ -156,7 +152,7 @@ def _refusals(cfg: TrainConfig) -> list[str]:
     if f.model_type == "chroma":
         problems.append(_CHROMA)
     if f.caches_text_encoder_outputs and not cfg.network.network_train_unet_only:
-        problems.append("--cache_text_encoder_outputs: the CLIP-L LoRA cannot train from cached outputs; add "
+        problems.append(f"{f.caching_flag}: the CLIP-L LoRA cannot train from cached outputs; add "
                         "--network_train_unet_only or drop the caching flag")
     return problems
 

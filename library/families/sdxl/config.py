@@ -6,13 +6,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from library.config.fields import flag
+from library.families.text_output_caching import TextOutputCaching
 
 if TYPE_CHECKING:
     from library.config.sections import TrainConfig
 
 
 @dataclass
-class SDXLConfig:
+class SDXLConfig(TextOutputCaching):
     """SDXL only: caching the two text encoders' outputs, and how the checkpoint file is read."""
 
     cache_text_encoder_outputs: bool = flag(
@@ -24,11 +25,6 @@ class SDXLConfig:
     disable_mmap_load_safetensors: bool = flag(
         False, "read a .safetensors checkpoint into memory in one go instead of memory-mapping it (faster on WSL "
         "and network drives)")
-
-    @property
-    def caches_text_encoder_outputs(self) -> bool:
-        """Either caching flag is set."""
-        return self.cache_text_encoder_outputs or self.cache_text_encoder_outputs_to_disk
 
 
 # Shared flags this script refuses when set: flag name -> the message.
@@ -50,7 +46,8 @@ IGNORED_FLAGS = {
 def sdxl_script_problems(cfg: TrainConfig) -> list[str]:
     """What ``sdxl_train_network.py`` refuses (sd-scripts' ``verify_sdxl_training_args`` / ``assert_extra_args``)
     beyond the shared flags it refuses (``REFUSED_FLAGS``)."""
-    if cfg.family_config.caches_text_encoder_outputs and not cfg.network.network_train_unet_only:
-        return ["--cache_text_encoder_outputs: the text encoders' LoRA cannot train from cached outputs; add "
+    section = cfg.family_config
+    if section.caches_text_encoder_outputs and not cfg.network.network_train_unet_only:
+        return [f"{section.caching_flag}: the text encoders' LoRA cannot train from cached outputs; add "
                 "--network_train_unet_only (as sd-scripts requires) or drop the caching flag"]
     return []

@@ -75,3 +75,12 @@ def test_the_same_flags_pass_for_the_sd_script_where_they_exist():
     validate(cfg)
     cfg, _ = parse_args(BASE + ["--cache_text_encoder_outputs", "--network_train_unet_only"], "sdxl")
     validate(cfg)
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+@pytest.mark.parametrize("given", ["--cache_text_encoder_outputs", "--cache_text_encoder_outputs_to_disk"])
+def test_the_caching_refusal_names_the_flag_given(family, given):
+    cfg, _ = parse_args(BASE + [given], family)
+    with pytest.raises(UserError) as info:
+        validate(cfg)
+    assert any(m.startswith(f"{given}: ") and "--network_train_unet_only" in m for m in info.value.messages)
