@@ -1,0 +1,118 @@
+"""Every flag that the entry scripts share, through every family's script on its tiny model: each one trains (exit
+0, a warning naming the flag allowed), or is refused with exit 2 and a message naming it; never a traceback nor any
+other exit code. The cases come from the parsers (``tests/e2e/flag_examples.py``): one per (family, flag), so a new
+flag or family adds its cases by itself. A case is one update of one 64x64 image in this process; the LoRA and
+state that some flags read come from one first run per family."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import train_network
+from tests.e2e.flag_examples import (
+    DIVERGES,
+    EXAMPLES,
+    SKIP,
+    TINY,
+    Inputs,
+    base_args,
+    example_tokens,
+    script_parsers,
+    shared_flags,
+)
+
+SAMPLES = Path(__file__).resolve().parents[2] / "configs" / "sample_data"
+FLAGS = shared_flags()
+CASES = [(family, flag) for flag, owners in FLAGS.items() if flag not in SKIP for family in owners]
+
+
+def names(flag: str, dest: str) -> re.Pattern:
+    """Where a message names the flag: as given, as its current name, or bare as in a TOML key (not as a part of a
+    longer flag's name)."""
+    alternatives = "|".join(re.escape(name.lstrip("-")) for name in {flag, dest})
+    return re.compile(rf"(?<![\w-])(?:--)?(?:{alternatives})(?!\w)")
+
+
+def run(family: str, args: list[str]) -> int:
+    """The exit code of ``family``'s script with ``args``, run in this process (``--help`` exits through
+    argparse)."""
+    try:
+        return train_network.main(args, family=family)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library_logs_through_root():
+    """diffusers and transformers bind their own handler to the stderr of their first log line, which in a test is
+    the capture of one case, closed before the next one logs: they log through the root logger here instead."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    for library in (diffusers_logging, transformers_logging):
+        library.disable_default_handler()
+        library.enable_propagation()
+    yield
+    for library in (diffusers_logging, transformers_logging):
+        library.disable_propagation()
+        library.enable_default_handler()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """Two of the bundled images with their captions, in one folder repeated once."""
+    root = tmp_path_factory.mktemp("every_flag_images")
+    folder = root / "1_shapes"
+    folder.mkdir()
+    for image in sorted((SAMPLES / "10_shapes").glob("*.png"))[:2]:
+        shutil.copy(image, folder)
+        shutil.copy(image.with_suffix(".txt"), folder)
+    return root
+
+
+@pytest.fixture(scope="module")
+def first_runs(tmp_path_factory, images):
+    """A function giving a family's first run (made once): its LoRA file and the state folder saved at its end."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def first_run(family: str) -> tuple[Path, Path]:
+        if family not in made:
+            out = tmp_path_factory.mktemp(f"first_run_{family}")
+            assert run(family, [*base_args(family, images, out), "--save_state_on_train_end"]) == 0
+            made[family] = (out / "lora.safetensors", next(out.glob("*-state")))
+        return made[family]
+
+    return first_run
+
+
+@pytest.mark.parametrize(("family", "flag"), CASES, ids=[f"{family}{flag}" for family, flag in CASES])
+def test_flag_trains_warns_or_is_refused(family, flag, tmp_path, images, first_runs, capsys, caplog):
+    data = tmp_path / "data"
+    shutil.copytree(images, data)
+    inputs = Inputs(family, tmp_path, data, lambda: first_runs(family))
+    action = FLAGS[flag][family]
+    args = [*base_args(family, data, tmp_path / "out"), *example_tokens(flag, action, inputs)]
+    code = run(family, args)
+    out, err = capsys.readouterr()
+    said = out + err + caplog.text
+    assert "Traceback" not in said, f"{' '.join(args)}\n{said[-3000:]}"
+    if code == 2:
+        assert names(flag, action.dest).search(err), f"exit 2 without naming {flag}: {err[-2000:]}"
+    elif flag in DIVERGES:
+        assert code == 3 and "the weights became NaN or Inf" in err, f"exit {code}: {err[-2000:]}"
+    else:
+        assert code == 0, f"exit {code}: {' '.join(args)}\n{err[-3000:]}"
+
+
+def test_every_family_has_a_tiny_model():
+    assert sorted(script_parsers()) == sorted(TINY)
+
+
+def test_skipped_and_example_flags_are_still_shared_flags():
+    assert [flag for flag in SKIP if flag not in FLAGS] == []
+    assert [flag for flag in EXAMPLES if flag not in FLAGS] == []
+    assert [flag for flag in DIVERGES if flag not in FLAGS] == []
