@@ -10,6 +10,7 @@ module read it. What needs the model (loading, text conditioning, prediction, sa
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -20,6 +21,18 @@ from library.config.dataset import UNET_BUCKET_STEP, BucketStep
 
 def _no_problems(cfg: Any) -> list[str]:
     return []
+
+
+def deferred(module: str, name: str) -> Callable[..., Any]:
+    """``module.name`` called with the arguments given, imported only at the call: how a record names its
+    behaviour class and its tiny-model writer without importing torch (``deferred("library.families.sd.family",
+    "SDFamily")``)."""
+
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args)
+
+    call.__qualname__ = f"deferred({module}.{name})"
+    return call
 
 
 @dataclass(frozen=True)

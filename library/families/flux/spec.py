@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from library.config.dataset import BucketStep
 from library.families.flux.config import IGNORED_FLAGS, REFUSED_FLAGS, FluxConfig, flux_script_problems
-from library.families.spec import FamilySpec
-
-
-def _write_tiny(out_dir: Path) -> str:
-    from library.families.flux.tiny_files import write_tiny_files
-
-    return write_tiny_files(out_dir)
-
-
-def _behaviour():
-    from library.families.flux.family import FluxFamily
-
-    return FluxFamily()
-
+from library.families.spec import FamilySpec, deferred
 
 SPEC = FamilySpec(
     name="flux", display_name="FLUX.1", script="flux_train_network.py",
     description="Train a LoRA for FLUX.1 dev / schnell (kohya sd-scripts flags).", trains="FLUX.1 LoRAs",
-    load=_behaviour, write_tiny=_write_tiny,
+    load=deferred("library.families.flux.family", "FluxFamily"),
+    write_tiny=deferred("library.families.flux.tiny_files", "write_tiny_files"),
     section_name="flux", section=FluxConfig, script_problems=flux_script_problems,
     # upstream's verify_bucket_reso_steps(32) in flux_train_network.py
     bucket_step=BucketStep(32, "for FLUX.1 (the transformer packs 2x2 latent patches; upstream checks 32)"),

@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from library.config.dataset import BucketStep
-from library.families.spec import FamilySpec
-
-
-def _write_tiny(out_dir: Path) -> str:
-    from library.families.sd.tiny_files import write_tiny_files
-
-    return write_tiny_files(out_dir)
-
-
-def _behaviour():
-    from library.families.sd.family import SDFamily
-
-    return SDFamily()
-
+from library.families.spec import FamilySpec, deferred
 
 SPEC = FamilySpec(
     name="sd", display_name="SD 1.x/2.x", script="train_network.py",
     description="Train a LoRA for Stable Diffusion 1.x/2.x (kohya sd-scripts flags).", trains="SD 1.x/2.x LoRAs",
-    load=_behaviour, write_tiny=_write_tiny,
+    load=deferred("library.families.sd.family", "SDFamily"),
+    write_tiny=deferred("library.families.sd.tiny_files", "write_tiny_files"),
     # sd-scripts' verify_bucket_reso_steps(64) in train_network.py
     bucket_step=BucketStep(64, "for SD 1.x/2.x (the UNet halves the latent three times)"),
     latent_suffix="_sd",  # SdSdxlLatentsCachingStrategy.SD_LATENTS_NPZ_SUFFIX

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from library.config.dataset import BucketStep
 from library.families.sdxl.config import IGNORED_FLAGS, REFUSED_FLAGS, SDXLConfig, sdxl_script_problems
-from library.families.spec import FamilySpec
-
-
-def _write_tiny(out_dir: Path) -> str:
-    from library.families.sdxl.tiny_files import write_tiny_files
-
-    return write_tiny_files(out_dir)
-
-
-def _behaviour():
-    from library.families.sdxl.family import SDXLFamily
-
-    return SDXLFamily()
-
+from library.families.spec import FamilySpec, deferred
 
 SPEC = FamilySpec(
     name="sdxl", display_name="SDXL", script="sdxl_train_network.py",
     description="Train a LoRA for Stable Diffusion XL (kohya sd-scripts flags).", trains="SDXL LoRAs",
-    load=_behaviour, write_tiny=_write_tiny,
+    load=deferred("library.families.sdxl.family", "SDXLFamily"),
+    write_tiny=deferred("library.families.sdxl.tiny_files", "write_tiny_files"),
     section_name="sdxl", section=SDXLConfig, script_problems=sdxl_script_problems,
     # SdxlNetworkTrainer.assert_extra_args: verify_bucket_reso_steps(32)
     bucket_step=BucketStep(32, "for SDXL (the UNet halves the latent twice)"),
