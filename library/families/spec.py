@@ -45,11 +45,11 @@ class FamilySpec:
     description: str  # the first line of the script's ``--help``
     trains: str  # what a configuration error says the script trains: "SDXL LoRAs"
     load: Callable[[], Any]  # the behaviour object (``ModelFamily``); imports torch
+    latent_suffix: str  # latent cache files ``<image>_<W>x<H><suffix>.npz``, its own as upstream keeps them apart
     section_name: str | None = None  # the ``--help`` group and snapshot name of its own flags
     section: type | None = None  # the dataclass of its own flags (``TrainConfig.family_config`` holds one)
     script_problems: Callable[[Any], list[str]] = _no_problems  # its own checks of a ``TrainConfig``
     bucket_step: BucketStep = UNET_BUCKET_STEP  # ``bucket_reso_steps``' multiple (verify_bucket_reso_steps), and why
-    latent_suffix: str = "_sd"  # latent cache files ``<image>_<W>x<H><suffix>.npz``, as upstream names them
     latent_channels: int = 4  # the channels of those latents
     text_cache_suffix: str = "_te_outputs.npz"  # ``--cache_text_encoder_outputs_to_disk`` files, as upstream's
     network_module: str = "networks.lora"  # its LoRA module (keys, block layout, ``--network_args``)
