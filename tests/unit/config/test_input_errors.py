@@ -232,12 +232,13 @@ def test_network_alpha_defaults_to_one_as_sd_scripts_passes_it(monkeypatch):
         seen["alpha"] = alpha
         return Net()
 
+    family = model_family("sd")  # before import_module is patched: the record imports its behaviour with it
     fake = SimpleNamespace(create_network=create_network)
     monkeypatch.setattr(network_setup.importlib, "import_module", lambda name: fake)
     model = SimpleNamespace(vae=None, text_encoder=None, unet=None)
     policy = SimpleNamespace(network_dtype=torch.float32)
     network_setup.build_network(NetworkConfig(network_module="lycoris.kohya"), model, policy, torch.device("cpu"),
-                                family=model_family("sd"))
+                                family=family)
     assert seen["alpha"] == 1.0
 
 
