@@ -90,10 +90,10 @@ def _dataset_problems(cfg: TrainConfig) -> list[str]:
     return []
 
 
-def _is_set(cfg: TrainConfig, name: str) -> bool:
+def _is_set(cfg: TrainConfig, name: str, fields: dict[str, tuple[str, dataclasses.Field]]) -> bool:
     """Whether a shared flag asks for something: not its default, nor a value that means "off" (None, False, 0, or
     the field's own ``off`` values: ``--clip_skip 1``, ``--max_timestep 1000``)."""
-    section, f = all_fields()[name]
+    section, f = fields[name]
     value = getattr(getattr(cfg, section), name)
     return value not in (None, False, 0, "", field_default(f), *f.metadata.get("off", ()))
 
@@ -101,14 +101,14 @@ def _is_set(cfg: TrainConfig, name: str) -> bool:
 def _family_flag_problems(cfg: TrainConfig) -> list[str]:
     """The shared flags the run's family refuses (each its message), and one warning per reason naming the shared
     flags it ignores (``FamilySpec.refused_flags`` / ``ignored_flags``)."""
-    family = cfg.family
+    family, fields = cfg.family, all_fields()
     reasons: dict[str, list[str]] = {}
     for name, why in family.ignored_flags.items():
-        if _is_set(cfg, name):
+        if _is_set(cfg, name, fields):
             reasons.setdefault(why, []).append(f"--{name}")
     for why, names in reasons.items():
         log.warning("%s: no effect on %s training (%s)", ", ".join(names), family.display_name, why)
-    return [message for name, message in family.refused_flags.items() if _is_set(cfg, name)]
+    return [message for name, message in family.refused_flags.items() if _is_set(cfg, name, fields)]
 
 
 def validate(cfg: TrainConfig) -> None:
