@@ -60,7 +60,9 @@ def _from_pretrained(cls, path: Path, subfolder: str):
 def _load_diffusers_folder(path: Path, *, v2: bool, v_parameterization: bool) -> SDModel:
     """A diffusers pipeline folder, read like ``StableDiffusionPipeline.from_pretrained`` reads its parts."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextModel
+
+    from library.families.tokenizers import CleanCLIPTokenizer
 
     missing = [sub for sub in ("unet", "vae", "text_encoder") if not (path / sub).is_dir()]
     if missing:
@@ -75,7 +77,7 @@ def _load_diffusers_folder(path: Path, *, v2: bool, v_parameterization: bool) ->
     check_v2_flag(path, file_is_v2=folder_is_v2, v2=v2)
     tokenizer = None
     if (path / "tokenizer").is_dir():
-        tokenizer = CLIPTokenizer.from_pretrained(str(path), subfolder="tokenizer", local_files_only=True)
+        tokenizer = CleanCLIPTokenizer.from_pretrained(str(path), subfolder="tokenizer", local_files_only=True)
     return assemble(
         unet, vae, text_encoder, v2=v2, v_parameterization=v_parameterization, name=str(path), tokenizer=tokenizer
     )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from library.base.errors import UserError
 from library.families.ddpm_scheduler import build_noise_scheduler
 from library.families.model_parts import freeze
-from library.families.tokenizers import CLIP_TOKENIZER, load_tokenizer
+from library.families.tokenizers import CLIP_TOKENIZER, CleanCLIPTokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
@@ -56,8 +56,6 @@ def load_cached_tokenizer(cache_dir: str | os.PathLike[str], v2: bool) -> tuple[
     The saved copy is the bundled vocab.json / merges.txt / configs (SD2's with pad "!"), a layout that both
     transformers 4 (sd-scripts) and 5 read. Returns the tokenizer and a line saying which way it came.
     """
-    from transformers import CLIPTokenizer
-
     folder = cached_tokenizer_dir(cache_dir, v2)
     if folder.exists():
         unreadable = (f"--tokenizer_cache_dir {cache_dir}: {folder} is not a readable CLIP tokenizer "
@@ -66,7 +64,7 @@ def load_cached_tokenizer(cache_dir: str | os.PathLike[str], v2: bool) -> tuple[
         if not (has_vocab or (folder / "tokenizer.json").is_file()):
             raise UserError(unreadable.format("no vocab.json + merges.txt or tokenizer.json"))
         try:
-            tokenizer = CLIPTokenizer.from_pretrained(str(folder))
+            tokenizer = CleanCLIPTokenizer.from_pretrained(str(folder))
         except (OSError, ValueError) as exc:
             raise UserError(unreadable.format(exc)) from exc
         if len(tokenizer) != CLIP_VOCAB_SIZE:

@@ -34,10 +34,12 @@ def save_diffusers_folder(model: SDModel, out_dir: Path) -> None:
     """
     from diffusers import DDPMScheduler, StableDiffusionPipeline
 
+    from library.families.tokenizers import as_transformers_tokenizer
+
     pipe = StableDiffusionPipeline(
         vae=model.vae,
         text_encoder=model.text_encoder,
-        tokenizer=model.tokenizer,
+        tokenizer=as_transformers_tokenizer(model.tokenizer),
         unet=model.unet,
         scheduler=DDPMScheduler.from_config(model.noise_scheduler.config, steps_offset=1),
         safety_checker=None,

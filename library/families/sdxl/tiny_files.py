@@ -17,9 +17,12 @@ def save_sdxl_diffusers_folder(model, out_dir: Path) -> None:
     """Write an ``SDXLModel`` as a diffusers StableDiffusionXLPipeline folder."""
     from diffusers import DDPMScheduler, StableDiffusionXLPipeline
 
+    from library.families.tokenizers import as_transformers_tokenizer
+
     pipe = StableDiffusionXLPipeline(
         vae=model.vae, text_encoder=model.text_encoder, text_encoder_2=model.text_encoder_2,
-        tokenizer=model.tokenizer, tokenizer_2=model.tokenizer_2, unet=model.unet,
+        tokenizer=as_transformers_tokenizer(model.tokenizer),
+        tokenizer_2=as_transformers_tokenizer(model.tokenizer_2), unet=model.unet,
         scheduler=DDPMScheduler.from_config(model.noise_scheduler.config, steps_offset=1),
     )
     pipe.save_pretrained(str(out_dir), safe_serialization=True)
