@@ -97,10 +97,10 @@ def _flux_rows(size: Sizes, budget: Budget, progress: Callable[[list[str]], None
             label = f"| {precision} | {feature or 'none'} |"
             if rows and budget.left() < 1.5 * last:  # the first row always runs
                 rows.append(f"{label} skipped (budget) | | |")
-                continue
-            began = time.monotonic()
-            rows.append(_row(probe, [*common, *pflags, *fflags], label))
-            last = time.monotonic() - began
+            else:
+                began = time.monotonic()
+                rows.append(_row(probe, [*common, *pflags, *fflags], label))
+                last = time.monotonic() - began
             print(rows[-1], flush=True)
             progress([*head, *rows])
     return [*head, *rows]

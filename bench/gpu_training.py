@@ -146,13 +146,14 @@ def _training_rows(size: Sizes, budget: Budget, progress: Callable[[list[str]], 
             label = f"| {batch} | {precision} | {name} |"
             if rows and budget.left() < 1.5 * last:  # the first row always runs
                 rows.append(f"{label} skipped (budget) | | |")
-                continue
-            argv = [*lora_run_args(size.model, data, size.resolution, size.steps, batch=batch,
-                                   workers=size.workers),
-                    "--cache_latents", "--output_dir", str(folder / "out"), "--output_name", "bench", *pflags, *oflags]
-            began = time.monotonic()
-            rows.append(_row(probe, argv, label))
-            last = time.monotonic() - began
+            else:
+                argv = [*lora_run_args(size.model, data, size.resolution, size.steps, batch=batch,
+                                       workers=size.workers),
+                        "--cache_latents", "--output_dir", str(folder / "out"), "--output_name", "bench", *pflags,
+                        *oflags]
+                began = time.monotonic()
+                rows.append(_row(probe, argv, label))
+                last = time.monotonic() - began
             print(rows[-1], flush=True)
             progress([*head, *rows])
     return [*head, *rows, "",

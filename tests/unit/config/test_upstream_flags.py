@@ -1,6 +1,9 @@
 """Every flag of upstream sd-scripts' ``train_network.py`` (48d368fa) parses here, on the command line and in a
-``--config_file`` TOML, with upstream's defaults. The flag list is data taken from upstream's own parser
-(``tests/data/upstream_train_network_flags.json``), not from our code."""
+``--config_file`` TOML, with upstream's defaults, and its value lands in its field: the field named by the flag's
+dest (or where upstream moves it after parsing, ``LANDS_IN``), holding what upstream's parser makes of the value
+(switch, type, ``nargs``) and differing from both defaults, with no other field changed. The flag list, types and
+defaults are data taken from upstream's own parser (``tests/data/upstream_train_network_flags.json``), not from our
+code."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from library.base.errors import UserError
-from library.config import all_fields, field_default, validate
+from library.config import SECTION_CLASSES, all_fields, field_default, validate
 from tests.config_helpers import parse_args
 
 FLAGS = json.loads((Path(__file__).resolve().parents[2] / "data" / "upstream_train_network_flags.json").read_text())[
@@ -18,34 +21,81 @@ FLAGS = json.loads((Path(__file__).resolve().parents[2] / "data" / "upstream_tra
 BASE = ["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--output_dir", "out", "--train_data_dir", "data"]
 # Values whose form is more than their type: upstream parses these strings itself.
 FORMATTED = {"resolution": "512,768", "face_crop_aug_range": "2.0,4.0", "lr_warmup_steps": "0.1",
-             "lr_decay_steps": "10", "optimizer_type": "AdamW", "network_module": "networks.lora"}
+             "lr_decay_steps": "10", "optimizer_type": "AdamW", "network_module": "networks.lora_flux"}
+# Flags whose value upstream moves after parsing, and where ours therefore lands: the field and, where upstream
+# computes a new value, that value (upstream library/train_util.py prepare_dataset_args: resolution and
+# face_crop_aug_range split into a tuple, caption_extention copied to caption_extension; get_optimizer: the legacy
+# optimizer switches stand for an optimizer_type).
+LANDS_IN = {"resolution": ("resolution", (512, 768)), "face_crop_aug_range": ("face_crop_aug_range", (2.0, 4.0)),
+            "caption_extention": ("caption_extension", None), "use_8bit_adam": ("optimizer_type", "AdamW8bit"),
+            "use_lion_optimizer": ("optimizer_type", "Lion")}
 # Where our default differs from upstream's on purpose (the help text says what the value means).
 DELIBERATE_DEFAULTS = {
     "network_module": "upstream has no default and fails later without one; networks.lora is what every run uses",
     "network_alpha": "None stands for upstream's 1 (recorded as 1 in ss_network_alpha)",
 }
+FIELDS = all_fields()
+BASE_CONFIG = parse_args(BASE)[0]
 
 
-def _cli_value(flag: dict) -> list[str]:
+def _int_or_float(text: str) -> int | float:
+    """Upstream train_util.py's ``int_or_float`` argument type (no percentage given here): from 1 up the text is an
+    integer step count, below 1 a ratio."""
+    return int(text) if float(text) >= 1 else float(text)
+
+
+UPSTREAM_TYPES = {"int": int, "float": float, "str": str, "Path": Path, "int_or_float": _int_or_float}
+
+
+def _upstream_value(flag: dict, text: str | None):
+    """What upstream's parser stores for ``--<dest> text``: True for a switch, the text through the flag's type,
+    in a list for ``nargs="*"``."""
     if flag["action"] == "store_true":
-        return []
-    if flag["dest"] in FORMATTED:
-        return [FORMATTED[flag["dest"]]]
-    if flag["choices"]:
-        return [str(next(c for c in flag["choices"] if c is not None))]
-    return [{"int": "2", "float": "0.5", "int_or_float": "3"}.get(flag["type"], "some_value")]
+        return True
+    value = UPSTREAM_TYPES[flag["type"]](text)
+    return [value] if flag["nargs"] == "*" else value
 
 
-def _toml_value(flag: dict) -> str:
+def _text(flag: dict) -> str | None:
+    """A value for the flag that differs from both upstream's default and ours, so that a dropped flag shows."""
     if flag["action"] == "store_true":
-        return "true"
+        return None
     if flag["dest"] in FORMATTED:
-        return json.dumps(FORMATTED[flag["dest"]])
-    if flag["choices"]:
-        choice = next(c for c in flag["choices"] if c is not None)
-        return json.dumps(choice)
-    scalar = {"int": "2", "float": "0.5", "int_or_float": "3"}.get(flag["type"], '"some_value"')
-    return f"[{scalar}]" if flag["nargs"] == "*" else scalar
+        return FORMATTED[flag["dest"]]
+    texts = ([str(c) for c in flag["choices"] if c is not None] if flag["choices"]
+             else {"int": ["2", "3"], "float": ["0.5", "0.25"]}.get(flag["type"], ["some_value", "other_value"]))
+    field = LANDS_IN.get(flag["dest"], (flag["dest"],))[0]
+    defaults = (flag["default"], field_default(FIELDS[field][1]))
+    return next(t for t in texts if _upstream_value(flag, t) not in defaults)
+
+
+def _expected(flag: dict, text: str | None) -> tuple[str, object]:
+    """The field the flag lands in and the value it must hold there (a path as the string our config keeps)."""
+    field, value = LANDS_IN.get(flag["dest"], (flag["dest"], None))
+    value = _upstream_value(flag, text) if value is None else value
+    return field, str(value) if isinstance(value, Path) else value
+
+
+def _toml_value(flag: dict, text: str | None) -> str:
+    if flag["dest"] in FORMATTED:
+        return json.dumps(text)
+    value = _upstream_value(flag, text)
+    items = [json.dumps(str(v)) if isinstance(v, (str, Path)) else json.dumps(v)
+             for v in (value if isinstance(value, list) else [value])]
+    return f"[{', '.join(items)}]" if isinstance(value, list) else items[0]
+
+
+def _assert_lands(argv: list[str], flag: dict, text: str | None) -> None:
+    """Parse ``argv``: the flag's field holds the expected value (same type), and no other field differs from a
+    parse without the flag."""
+    field, expected = _expected(flag, text)
+    cfg, _ = parse_args(argv)
+    section = FIELDS[field][0]
+    got = getattr(getattr(cfg, section), field)
+    assert repr(got) == repr(expected), (flag["dest"], field, got, expected)
+    changed = {f"{name}.{key}" for name in SECTION_CLASSES for key, value in vars(getattr(cfg, name)).items()
+               if repr(value) != repr(getattr(getattr(BASE_CONFIG, name), key))}
+    assert changed <= {f"{section}.{field}", "run.config_file"}, (flag["dest"], changed)
 
 
 def test_the_list_is_upstreams_193_flags():
@@ -54,21 +104,24 @@ def test_the_list_is_upstreams_193_flags():
 
 
 @pytest.mark.parametrize("flag", FLAGS, ids=[f["dest"] for f in FLAGS])
-def test_flag_parses_on_the_command_line(flag, tmp_path):
-    value = _cli_value(flag)
+def test_flag_lands_in_its_field_on_the_command_line(flag, tmp_path):
+    text = _text(flag)
     if flag["dest"] == "config_file":
         (tmp_path / "args.toml").write_text("")
-        value = [str(tmp_path / "args.toml")]
-    parse_args(BASE + ["--" + flag["dest"], *value])
+        text = str(tmp_path / "args.toml")
+    _assert_lands(BASE + ["--" + flag["dest"], *([] if text is None else [text])], flag, text)
 
 
 @pytest.mark.parametrize("flag", FLAGS, ids=[f["dest"] for f in FLAGS])
-def test_flag_parses_in_a_config_file(flag, tmp_path):
+def test_flag_lands_in_its_field_from_a_config_file(flag, tmp_path):
     if flag["dest"] in ("config_file", "output_config"):
         pytest.skip("switches of the config file itself")
+    text = _text(flag)
     toml = tmp_path / "args.toml"
-    toml.write_text(f"[section]\n{flag['dest']} = {_toml_value(flag)}\n")
-    parse_args(BASE + ["--config_file", str(toml)])
+    toml.write_text(f"[section]\n{flag['dest']} = {_toml_value(flag, text)}\n")
+    pairs = [BASE[i:i + 2] for i in range(0, len(BASE), 2)]
+    base = [a for pair in pairs if pair[0] != f"--{flag['dest']}" for a in pair]  # the command line would win
+    _assert_lands(base + ["--config_file", str(toml)], flag, text)
 
 
 def test_defaults_are_upstreams():
