@@ -23,7 +23,14 @@ from library.base.errors import UserError
 from library.families.flux.diffusers_keys import bfl_to_diffusers, count_blocks, diffusers_to_bfl
 from library.families.flux.model import FluxTransformer
 from library.families.flux.params import DEV, FluxParams
-from library.families.model_files import CONFIG_METADATA_KEY, StateDict, read_state_dict
+from library.families.flux.stored_configs import transformer_params
+from library.families.model_files import (
+    CONFIG_METADATA_KEY,
+    StateDict,
+    apply_fp8_scales,
+    check_dtype,
+    read_state_dict,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -55,27 +62,31 @@ def transformer_files(path: Path) -> list[Path]:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise UserError(f"{path}: no .safetensors files in {folder}; expected {EXPECTED}")
-        return files
+        sets = {_shard_set(file) for file in files if SHARD.search(file.name)}
+        return sorted({*files, *(shard for shard_set in sets for shard in shard_set)})
     if not path.is_file():
         raise UserError(f"{path}: no such file or folder; expected {EXPECTED}")
-    match = SHARD.search(path.name)
-    if match is None:
-        return [path]
-    count = int(match[2])
-    return [path.with_name(SHARD.sub(f"-{i:05d}-of-{count:05d}\\3", path.name)) for i in range(1, count + 1)]
+    return list(_shard_set(path)) if SHARD.search(path.name) else [path]
+
+
+def _shard_set(path: Path) -> tuple[Path, ...]:
+    """Every shard of the ``…-0000N-of-0000M.safetensors`` set ``path`` belongs to, present or not."""
+    count = int(SHARD.search(path.name)[2])
+    return tuple(path.with_name(SHARD.sub(f"-{i:05d}-of-{count:05d}\\3", path.name)) for i in range(1, count + 1))
 
 
 def read_files(files: list[Path], *, device: str = "cpu", mmap: bool = True) -> tuple[StateDict, dict[str, str]]:
-    """All tensors of ``files`` (each missing or unreadable one named in a ``UserError``) and the first metadata."""
+    """All tensors of ``files`` (each missing or unreadable one named in a ``UserError``) and the first metadata;
+    scaled fp8 weights dequantized over the whole set (a scale and its weight may lie in different shards)."""
     state: StateDict = {}
     metadata: dict[str, str] = {}
     for file in files:
         if not file.is_file():
             raise UserError(f"{file}: missing (a shard of a diffusers FLUX transformer); copy the whole folder")
-        tensors, meta = read_state_dict(file, device, mmap=mmap)
+        tensors, meta = read_state_dict(file, device, mmap=mmap, scaled=False)
         state.update(tensors)
         metadata = metadata or meta
-    return state, metadata
+    return apply_fp8_scales(state, files[0] if len(files) == 1 else files[0].parent), metadata
 
 
 def strip_prefix(state: StateDict) -> StateDict:
@@ -103,13 +114,11 @@ def inspect(state: StateDict, source: Path) -> CheckpointInfo:
     return CheckpointInfo(is_diffusers, is_schnell, depth, single)
 
 
-def params_for(info: CheckpointInfo, metadata: dict[str, str]) -> FluxParams:
-    """BFL's widths with the file's depths and variant, or the config our own files carry in their metadata."""
+def params_for(info: CheckpointInfo, metadata: dict[str, str], source: Path, state: StateDict) -> FluxParams:
+    """BFL's widths with the file's depths and variant, or the config our own files carry in their metadata (checked
+    against ``state``'s shapes, ``stored_configs.transformer_params``)."""
     stored = metadata.get(CONFIG_METADATA_KEY)
-    base = DEV
-    if stored:
-        fields = json.loads(stored)
-        base = FluxParams(**{**fields, "axes_dim": tuple(fields["axes_dim"])})
+    base = DEV if stored is None else transformer_params(stored, source, state)
     return replace(base, depth=info.depth, depth_single_blocks=info.depth_single_blocks,
                    guidance_embed=not info.is_schnell)
 
@@ -124,6 +133,7 @@ def fill(module: torch.nn.Module, state: StateDict, source: Path, what: str, dty
     ready = {}
     for key, target in expected.items():
         tensor = state[key]
+        check_dtype(tensor, target, source, f"{what} tensor {key}")
         if tensor.shape != target.shape:
             raise UserError(f"{source}: {what} tensor {key} has shape {tuple(tensor.shape)}, expected "
                             f"{tuple(target.shape)}; the file is not the {what} this loader builds")
@@ -146,7 +156,7 @@ def load_transformer(path: str | Path, *, dtype: torch.dtype | None = None, devi
         except KeyError as exc:
             raise UserError(f"{path}: {exc.args[0]}; expected {EXPECTED}") from None
     with torch.device("meta"):
-        model = FluxTransformer(params_for(info, metadata))
+        model = FluxTransformer(params_for(info, metadata, path, state))
     fill(model, state, path, "FLUX.1 transformer", dtype)
     return model
 

@@ -55,12 +55,33 @@ def load_flux_model(
     given = {"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}
     if is_builtin_flux(path):
         model = build_builtin_flux(path, seed)
+        parts = {"clip_l": model.clip_l, "t5xxl": model.t5xxl, "ae": model.vae}
+        sources = {part: source or path for part, source in given.items()}
         for part, source in given.items():
             if source is not None:
-                setattr(model, part, PART_LOADERS[part](source, dtype=dtype, device=device, mmap=mmap))
-        return assemble(model.unet, model.clip_l, model.t5xxl, model.vae, name=path)
+                parts[part] = PART_LOADERS[part](source, dtype=dtype, device=device, mmap=mmap)
+        check_fit(model.unet, parts, path, sources)
+        return assemble(model.unet, parts["clip_l"], parts["t5xxl"], parts["ae"], name=path)
     model_path = Path(path)
     transformer = load_transformer(model_path, dtype=dtype, device=device, mmap=mmap)
-    parts = {part: PART_LOADERS[part](_part_source(part, source, model_path), dtype=dtype, device=device, mmap=mmap)
-             for part, source in given.items()}
+    sources = {part: _part_source(part, source, model_path) for part, source in given.items()}
+    parts = {part: PART_LOADERS[part](sources[part], dtype=dtype, device=device, mmap=mmap) for part in given}
+    check_fit(transformer, parts, path, sources)
     return assemble(transformer, parts["clip_l"], parts["t5xxl"], parts["ae"], name=path)
+
+
+def check_fit(transformer, parts: dict, path: str, sources: dict) -> None:
+    """A ``UserError`` naming both files when a part's width is not what the transformer takes: the AE's latent
+    channels × 4 (2x2 patches, upstream ``flux_utils.pack_latents``) against ``in_channels``, CLIP-L's width
+    against ``vec_in_dim`` (its pooled output is the ``y`` input) and T5-XXL's against ``context_in_dim``;
+    otherwise the first training step fails inside a matrix multiply."""
+    params = transformer.params
+    widths = {"ae": (parts["ae"].config.latent_channels * 4, params.in_channels, "latent channels × 4",
+                     "in_channels"),
+              "clip_l": (parts["clip_l"].config.hidden_size, params.vec_in_dim, "hidden size", "vec_in_dim"),
+              "t5xxl": (parts["t5xxl"].config.d_model, params.context_in_dim, "d_model", "context_in_dim")}
+    for part, (theirs, ours, their_name, our_name) in widths.items():
+        if theirs != ours:
+            raise UserError(f"{PART_FLAGS[part]} {sources[part]}: its {their_name} is {theirs}, the transformer "
+                            f"{path} takes {our_name} {ours}; give the {part} file that belongs to this FLUX.1 "
+                            "model")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from library.base.errors import UserError
 from library.families.flux.checkpoints import fill, read_files
 from library.families.flux.parts import REAL_CONFIGS, build_ae, build_clip_l, build_t5xxl, part_config
+from library.families.flux.stored_configs import build_checked, part_config_of
 from library.families.model_files import CONFIG_METADATA_KEY, StateDict
 from library.families.vae_keys import vae_key_map
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 SUBFOLDERS = {"clip_l": "text_encoder", "t5xxl": "text_encoder_2", "ae": "vae"}
 T5_EMBEDDINGS = ("shared.weight", "encoder.embed_tokens.weight")
+AE_MARKS = ("encoder.down.0.block.0.conv1.weight", "encoder.down_blocks.0.resnets.0.conv1.weight")  # BFL, diffusers
 
 
 def part_files(path: Path, part: str) -> list[Path]:
@@ -45,17 +47,15 @@ def part_files(path: Path, part: str) -> list[Path]:
 
 
 def _read(path: Path, part: str, device: str, mmap: bool) -> tuple[StateDict, dict]:
-    """Tensors and the config to build ``part`` with (ours from the metadata, else the bundled real one)."""
+    """Tensors and the config to build ``part`` with (ours from the metadata, checked, else the bundled real one);
+    an AE file is recognised by its keys before its config is read."""
     state, metadata = read_files(part_files(path, part), device=device, mmap=mmap)
+    if part == "ae" and not any(mark in state for mark in AE_MARKS):
+        example = sorted(state)[0] if state else "no tensors"
+        raise UserError(f"{path}: not a FLUX AE (found e.g. {example!r}); expected BFL ae.safetensors keys "
+                        "(encoder.down.N.block.M.*, decoder.up.N.*) or a diffusers AutoencoderKL")
     stored = metadata.get(CONFIG_METADATA_KEY)
-    return state, json.loads(stored) if stored else part_config(REAL_CONFIGS, part)
-
-
-def _empty(build, config: dict):
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        return build(config)
+    return state, part_config(REAL_CONFIGS, part) if stored is None else part_config_of(stored, path, part)
 
 
 def load_clip_l(path: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu",
@@ -63,7 +63,7 @@ def load_clip_l(path: str | Path, *, dtype: torch.dtype | None = None, device: s
     """CLIP-L text encoder (``text_model.*`` keys; ``text_projection`` and ``position_ids`` ignored)."""
     path = Path(path)
     state, config = _read(path, "clip_l", device, mmap)
-    model = _empty(build_clip_l, config)
+    model = build_checked(build_clip_l, config, path, "clip_l")
     wanted = set(model.state_dict())
     state = {_clip_name(k, wanted): v for k, v in state.items()}
     fill(model, {k: v for k, v in state.items() if k in wanted}, path, "CLIP-L text encoder", dtype)
@@ -87,7 +87,7 @@ def load_t5xxl(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     present = [key for key in T5_EMBEDDINGS if key in state]
     if present:
         state = {**state, **{key: state[present[0]] for key in T5_EMBEDDINGS}}
-    model = _empty(build_t5xxl, config)
+    model = build_checked(build_t5xxl, config, path, "t5xxl")
     wanted = set(model.state_dict())
     fill(model, {k: v for k, v in state.items() if k in wanted}, path, "T5-XXL text encoder", dtype)
     model.encoder.embed_tokens = model.shared
@@ -95,10 +95,16 @@ def load_t5xxl(path: str | Path, *, dtype: torch.dtype | None = None, device: st
 
 
 def ae_from_bfl(state: StateDict, ae: AutoencoderKL) -> StateDict:
-    """BFL / LDM AE tensors in ``ae``'s diffusers names, 1x1-conv attention weights reshaped to Linear."""
+    """BFL / LDM AE tensors in ``ae``'s diffusers names, 1x1-conv attention weights reshaped to Linear; a tensor
+    whose size does not fit is passed as it is, for ``fill`` to name it."""
     targets = ae.state_dict()
     mapping = vae_key_map(list(targets), len(ae.config.block_out_channels))
-    return {ours: state[theirs].reshape(targets[ours].shape) for ours, theirs in mapping.items() if theirs in state}
+    out = {}
+    for ours, theirs in mapping.items():
+        if theirs in state:
+            tensor, shape = state[theirs], targets[ours].shape
+            out[ours] = tensor.reshape(shape) if tensor.numel() == shape.numel() else tensor
+    return out
 
 
 def ae_to_bfl(ae: AutoencoderKL) -> StateDict:
@@ -119,13 +125,9 @@ def load_ae(path: str | Path, *, dtype: torch.dtype | None = None, device: str =
     """The FLUX AE from BFL names (``encoder.down.0.block.0.*``) or diffusers names (``encoder.down_blocks.*``)."""
     path = Path(path)
     state, config = _read(path, "ae", device, mmap)
-    ae = _empty(build_ae, config)
-    if "encoder.down.0.block.0.conv1.weight" in state:
+    ae = build_checked(build_ae, config, path, "ae")
+    if AE_MARKS[0] in state:
         state = ae_from_bfl(state, ae)
-    elif "encoder.down_blocks.0.resnets.0.conv1.weight" not in state:
-        example = sorted(state)[0] if state else "no tensors"
-        raise UserError(f"{path}: not a FLUX AE (found e.g. {example!r}); expected BFL ae.safetensors keys "
-                        "(encoder.down.N.block.M.*, decoder.up.N.*) or a diffusers AutoencoderKL")
     fill(ae, state, path, "FLUX AE", dtype)
     return ae.to(device)
 
