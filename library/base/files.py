@@ -162,19 +162,29 @@ def replace_folder(final: Path, fill: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     aside = None
-    if os.path.lexists(final):
-        aside = temp_name(final, "old")
-        os.replace(final, aside)
     try:
+        if os.path.lexists(final):
+            moved = temp_name(final, "old")
+            os.replace(final, moved)
+            aside = moved
         os.replace(tmp, final)
     except BaseException:
-        if aside is not None and not os.path.lexists(final):
-            os.replace(aside, final)
         shutil.rmtree(tmp, ignore_errors=True)
+        if aside is not None and not os.path.lexists(final):
+            _put_back(aside, final)
         raise
     fsync_dir(final.parent)
     if aside is not None:
         remove_entry(aside)
+
+
+def _put_back(aside: Path, final: Path) -> None:
+    """Rename a folder moved aside back to its name; where that fails too (a folder turned read-only), the next start
+    puts it back (``library/runtime/output.py``)."""
+    try:
+        os.replace(aside, final)
+    except OSError:
+        pass
 
 
 def remove_folder(folder: Path) -> None:

@@ -15,8 +15,11 @@ Images are found as sd-scripts finds them (``list_images``), so the same files t
 
 from __future__ import annotations
 
+import errno
 import glob
+import logging
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +35,8 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 # upper case, nothing else (".Png" is not an image to it)
 GLOB_EXTENSIONS = IMAGE_EXTENSIONS + tuple(ext.upper() for ext in IMAGE_EXTENSIONS)
 INFO_CACHE_FILE = "metadata_cache.json"  # library/data/info_cache.py
+
+log = logging.getLogger(__name__)
 
 # EXIF orientations 5..8 rotate by 90 degrees, so width and height swap.
 _SWAPPING_ORIENTATIONS = (5, 6, 7, 8)
@@ -49,18 +54,37 @@ class CaptionProblem(Exception):
     """A caption file that cannot be used (empty, not UTF-8)."""
 
 
-def list_images(folder: str | Path) -> list[Path]:
+def list_images(folder: str | Path, warn: bool = True) -> list[Path]:
     """Image files directly inside ``folder``, as sd-scripts' ``glob_images(folder, "*")`` (48d368fa) lists them.
 
     It globs ``*<ext>`` for each of ``GLOB_EXTENSIONS``, so an extension counts in lower or upper case only
     (``a.PNG``, not ``a.Png``; glob follows the file system's case rule, so on Windows any case) and names starting
     with ``.`` are skipped (glob's ``*`` does not match them: macOS' ``._a.png`` AppleDouble files, hidden files);
     the paths, without repeats, are sorted as strings. Difference, on purpose: what is not a file (a folder named
-    ``x.png``, a dangling link) is left out instead of failing when it is opened.
+    ``x.png``, a named pipe, a dangling or looping link) is left out instead of failing or hanging when it is opened,
+    with a warning naming it (``warn``: False for a second listing of the same folder).
     """
     pattern = os.path.join(glob.escape(str(folder)), "*")
     names = {os.path.basename(p) for ext in GLOB_EXTENSIONS for p in glob.glob(pattern + ext)}
-    return [Path(folder) / name for name in sorted(names) if (Path(folder) / name).is_file()]
+    paths = [Path(folder) / name for name in sorted(names)]
+    files = [path for path in paths if path.is_file()]
+    if warn:
+        for path in sorted(set(paths) - set(files)):
+            log.warning("%s: %s, not an image file; left out of the dataset", path, _not_a_file(path))
+    return files
+
+
+def _not_a_file(path: Path) -> str:
+    """What a listed name that is no regular file is, for the warning that leaves it out."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link that loops"
+        return "a dangling symbolic link" if path.is_symlink() else f"unreadable ({exc.strerror or exc})"
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
 
 
 def caption_candidates(image_path: Path, extension: str) -> list[Path]:

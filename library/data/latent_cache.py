@@ -12,7 +12,8 @@ Added key ``sdsb_cache_key``: a JSON string with the SHA-1 of the image file, th
 VAE id. A file whose key differs is rebuilt, so an edited image, a new resolution or another VAE never reuses stale
 latents (sd-scripts checks only that ``latents`` exists). Files sd-scripts wrote (no key) are reused when their
 latent shape matches the bucket, as sd-scripts would. A file that would be used but is damaged (it cannot be read,
-or an array is not floating point, has the wrong shape or holds NaN/Inf: ``cache_arrays``) is rebuilt with a warning
+or an array is not floating point, has the wrong shape, holds more than its header declares or holds NaN/Inf; all
+but the last are seen in the array's header before numpy allocates it: ``cache_arrays``) is rebuilt with a warning
 naming it; with ``--skip_cache_check`` it is named when a batch reads it (exit 2). Files are written as every file of
 the trainer (``library/base/files.write_file_atomic``: a temporary name, flushed to disk, renamed; mode 0666 less the
 umask), so an interrupted run never leaves a half-written cache; a rebuilt file is written fresh (old keys are not
@@ -33,7 +34,7 @@ import torch
 
 from library.base.errors import UserError
 from library.base.files import write_file_atomic
-from library.data.cache_arrays import array_problem
+from library.data.cache_arrays import DamagedCache, declared, load_array, load_key
 
 CACHE_KEY = "sdsb_cache_key"
 LATENT_CHANNELS = 4  # a Stable Diffusion VAE's; other autoencoders' files say theirs (``LatentFiles``)
@@ -101,18 +102,18 @@ def is_valid(path: Path, bucket: tuple[int, int], flip_aug: bool, key: str, alph
     expected = expected_shapes(bucket, flip_aug, alpha_mask, channels)
     try:
         with np.load(path, allow_pickle=False) as npz:  # an object array in a hostile file would unpickle
-            stored_key = str(npz[CACHE_KEY]) if CACHE_KEY in npz.files else None
+            stored_key = load_key(npz, CACHE_KEY) if CACHE_KEY in npz.files else None
             if (stored_key is not None and stored_key != key) or any(name not in npz.files for name in expected):
                 return False
-            arrays = {name: npz[name] for name in expected}
+            if stored_key is None and declared(npz, "latents")[0] != expected["latents"]:
+                return False  # sd-scripts' file for another bucket
+            for name, shape in expected.items():
+                load_array(npz, name, shape, f"the image's bucket {bucket[0]}x{bucket[1]}")
+    except DamagedCache as exc:
+        log.warning("%s: damaged latent cache file (%s); rebuilding it", path, exc)
+        return False
     except UNREADABLE as exc:
         log.warning("%s: latent cache file cannot be read (%s); rebuilding it", path, exc)
-        return False
-    if stored_key is None and arrays["latents"].shape != expected["latents"]:
-        return False  # sd-scripts' file for another bucket
-    problem = array_problem(arrays, expected, f"the image's bucket {bucket[0]}x{bucket[1]}")
-    if problem is not None:
-        log.warning("%s: damaged latent cache file (%s); rebuilding it", path, problem)
         return False
     return True
 
@@ -131,12 +132,12 @@ def read(path: str | Path, bucket: tuple[int, int], flipped: bool, alpha_mask: b
             for needed in expected:
                 if needed not in npz.files:
                     raise UserError(f"{path}: latent cache file has no {needed}; {fix}")
-            arrays = {needed: npz[needed] for needed in expected}
+            arrays = {needed: load_array(npz, needed, shape, f"the image's bucket {bucket[0]}x{bucket[1]}")
+                      for needed, shape in expected.items()}
+    except DamagedCache as exc:
+        raise UserError(f"{path}: latent cache file: {exc}; {fix}") from None
     except UNREADABLE as exc:
         raise UserError(f"{path}: latent cache file cannot be read ({exc}); {fix}") from None
-    problem = array_problem(arrays, expected, f"the image's bucket {bucket[0]}x{bucket[1]}")
-    if problem is not None:
-        raise UserError(f"{path}: latent cache file: {problem}; {fix}")
     mask = torch.from_numpy(arrays["alpha_mask"].astype(np.float32)) if alpha_mask else None
     return torch.from_numpy(arrays[name].astype(np.float32)), mask
 

@@ -269,7 +269,7 @@ def _split_found(found: list[tuple[str, str, tuple[int, int]]], sub: SubsetSpec,
     """The scanned images of a DreamBooth folder that belong to ``part``, in sd-scripts' order for the validation
     part (``split.entries_of_part``); the split is drawn over the whole folder listing (unreadable images
     included), as sd-scripts splits before it opens any image."""
-    listing = [str(path) for path in list_images(sub.image_dir)]
+    listing = [str(path) for path in list_images(sub.image_dir, warn=False)]  # warned by the scan
     if part == "train" and (overlap := split_report(sub.location, len(listing), split)):
         logger.warning(overlap)
     return entries_of_part(found, listing, split, seed, part)

@@ -11,7 +11,8 @@ Added key ``sdsb_cache_key`` (as in ``latent_cache``): a JSON string with the ca
 differs is rebuilt, so an edited caption, another length, weighting or checkpoint never reuses stale outputs
 (sd-scripts checks only that the three arrays exist and so reuses outputs of an old caption). Files sd-scripts wrote
 (no key) are rebuilt, because what they encoded is unknown. A file with the right key that is damaged (unreadable,
-an array missing, not floating point, of another shape than the text encoders give, or holding NaN/Inf:
+an array missing, not floating point, of another shape than the text encoders give, holding more than its header
+declares, or holding NaN/Inf; all but the last are seen in the array's header before numpy allocates it:
 ``cache_arrays``) is rebuilt with a warning naming it; sd-scripts would fail with it in the middle of training.
 Files are written as every file of the trainer (``library/base/files.write_file_atomic``: a temporary name, flushed
 to disk, renamed; mode 0666 less the umask).
@@ -29,7 +30,7 @@ import torch
 
 from library.base.errors import UserError
 from library.base.files import write_file_atomic
-from library.data.cache_arrays import array_problem
+from library.data.cache_arrays import DamagedCache, load_array, load_key
 from library.data.latent_cache import CACHE_KEY, UNREADABLE
 
 log = logging.getLogger(__name__)
@@ -62,11 +63,14 @@ def cache_key(caption: str, max_token_length: int | None, encoder_id: str, weigh
                        "weighted": weighted}, sort_keys=True)
 
 
-def _problem(arrays: dict[str, np.ndarray], names: Sequence[str]) -> str | None:
-    missing = [name for name in names if name not in arrays]
+def _load(npz: np.lib.npyio.NpzFile, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Every array of ``names`` from an open file, each checked by ``cache_arrays.load_array`` against the shape
+    ``names`` gives (any shape up to a bound where it gives none); a ``DamagedCache`` says what is wrong."""
+    missing = [name for name in names if name not in npz.files]
     if missing:
-        return f"it has no {', '.join(missing)}"
-    return array_problem(arrays, getattr(names, "shapes", {}), "the text encoders' output")
+        raise DamagedCache(f"it has no {', '.join(missing)}")
+    shapes = getattr(names, "shapes", {})
+    return {name: load_array(npz, name, shapes.get(name), "the text encoders' output") for name in names}
 
 
 def is_valid(path: Path, key: str, names: Sequence[str]) -> bool:
@@ -76,15 +80,14 @@ def is_valid(path: Path, key: str, names: Sequence[str]) -> bool:
         return False
     try:
         with np.load(path, allow_pickle=False) as npz:
-            if CACHE_KEY not in npz.files or str(npz[CACHE_KEY]) != key:
+            if CACHE_KEY not in npz.files or load_key(npz, CACHE_KEY) != key:
                 return False
-            arrays = {name: npz[name] for name in names if name in npz.files}
+            _load(npz, names)
+    except DamagedCache as exc:
+        log.warning("%s: damaged text encoder output cache file (%s); rebuilding it", path, exc)
+        return False
     except UNREADABLE as exc:
         log.warning("%s: text encoder output cache file cannot be read (%s); rebuilding it", path, exc)
-        return False
-    problem = _problem(arrays, names)
-    if problem is not None:
-        log.warning("%s: damaged text encoder output cache file (%s); rebuilding it", path, problem)
         return False
     return True
 
@@ -94,12 +97,11 @@ def read(path: str | Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
     fix = "delete it so that it is rebuilt"
     try:
         with np.load(path, allow_pickle=False) as npz:
-            arrays = {name: npz[name] for name in names if name in npz.files}
+            arrays = _load(npz, names)
+    except DamagedCache as exc:
+        raise UserError(f"{path}: text encoder output cache file: {exc}; {fix}") from None
     except UNREADABLE as exc:
         raise UserError(f"{path}: text encoder output cache file cannot be read ({exc}); {fix}") from None
-    problem = _problem(arrays, names)
-    if problem is not None:
-        raise UserError(f"{path}: text encoder output cache file: {problem}; {fix}")
     return {name: torch.from_numpy(arrays[name].astype(np.float32)) for name in names}
 
 

@@ -23,6 +23,10 @@ Cleanup, right after that (so never under another run's feet): the temporaries o
 belong to this output name are removed, and a state folder that an interruption left only under its ``.old-`` name
 (between the two renames of a replacement) is put back. A temporary that is a symbolic link is removed as a link,
 never restored and never followed.
+
+An output folder this run created (with the folders above it that it created) is removed when the lock is released
+and nothing else was written there, so a run refused before its first save (a disk too small for the LoRA,
+``library/base/fs_checks.py``) leaves no empty folder behind.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class OutputLock:
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self._fd: int | None = fd
+        self.created: Path | None = None  # the outermost folder that ``open_output`` created for this run
 
     @classmethod
     def acquire(cls, folder: Path, stem: str) -> OutputLock:
@@ -132,6 +137,31 @@ class OutputLock:
                 self.path.unlink(missing_ok=True)
             except OSError:
                 log.warning("could not remove the lock file %s; the next run will take it over", self.path)
+        if self.created is not None:
+            _remove_if_empty(self.path.parent, self.created)
+
+
+def _outermost_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` that does not exist yet (``mkdir(parents=True)`` creates it and those
+    below it); None when ``path`` exists."""
+    missing = None
+    while not os.path.lexists(path) and path.parent != path:
+        missing, path = path, path.parent
+    return missing
+
+
+def _remove_if_empty(folder: Path, top: Path) -> None:
+    """Remove ``folder`` and the folders above it up to ``top``, each only while it is empty (``rmdir`` refuses a
+    folder holding anything, so nothing written there is touched)."""
+    while True:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        log.info("removed the empty output folder %s, which this run created", folder)
+        if folder == top:
+            return
+        folder = folder.parent
 
 
 def _open_lock(path: Path, folder: Path, stem: str) -> int:
@@ -227,12 +257,14 @@ def open_output(folder: str, names: OutputFiles, subfolders: Iterable[str] = ())
     refuse while a run whose saves collide with this one's writes there and when a link has the name of a file or
     ``subfolders`` entry this run writes, then clean up after interrupted saves. Errors are ``UserError``s."""
     path = Path(folder)
+    created = _outermost_missing(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
         lock = OutputLock.acquire(path, names.last)
     except OSError as exc:
         raise UserError(f"--output_dir {folder}: cannot create or write files there ({exc.strerror or exc}); "
                         "choose a folder you can write to") from None
+    lock.created = created
     try:
         refuse_colliding_runs(path, names)
         refuse_links(path, names, subfolders)

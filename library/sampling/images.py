@@ -10,7 +10,9 @@ while training is what it was. Files: ``<output_dir>/sample/<output_name>_<n>_<N
 update, ``NN`` the prompt's 2-digit index; each image is also logged to the trackers as ``sample_<index>``. Each PNG is
 written through a temporary file and a rename (``library/base/files.write_file_atomic``): a link at its name is
 replaced, never written through; a symbolic link at ``<output_dir>/sample`` stops the run (exit 2) naming it
-(``library/runtime/output.py`` refuses it before anything loads, and each round of images checks again).
+(``library/runtime/output.py`` refuses it before anything loads, and each round of images checks again). An image
+the file system refuses (a full disk, a read-only or vanished folder) stops the run with ``WriteFailed`` (exit 2)
+naming it and the cause; its temporary is removed.
 
 Training is not changed by sampling: the network, denoiser and text encoders are put in eval mode (no LoRA dropout)
 and their modes restored afterwards, and all noise comes from a generator per image, seeded from ``--d`` (else
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from library.base.errors import UserError
+from library.base.errors import UserError, writing
 from library.base.files import link_description, write_file_atomic
 from library.families.base import ModelFamily
 from library.families.precision import PrecisionPolicy
@@ -71,11 +73,13 @@ class SampleImages:
         self.clip_skip = clip_skip
 
     def _make_folder(self) -> None:
-        """Create the sample folder; a symbolic link there (planted after the start's check) is a ``UserError``."""
+        """Create the sample folder; a symbolic link there (planted after the start's check) is a ``UserError``. The
+        output folder is not created again: one deleted during the run is a ``WriteFailed`` naming it."""
         if self.folder.is_symlink():
             raise UserError(f"{self.folder} {link_description(self.folder)}; sample images are never written through "
                             "a link: remove it, or choose another --output_dir")
-        self.folder.mkdir(parents=True, exist_ok=True)
+        with writing("cannot create the sample image folder", self.folder):
+            self.folder.mkdir(exist_ok=True)
 
     @contextlib.contextmanager
     def _inference(self) -> Iterator[None]:
@@ -123,7 +127,8 @@ class SampleImages:
                     generator.seed()
                 image = self.draw(prompt, generator)
                 name = sample_file_name(self.output_name, epoch, pos.step, prompt.index, prompt.seed, time.time())
-                write_file_atomic(self.folder / name, lambda f, image=image: image.save(f, format="PNG"))
+                with writing("cannot write the sample image", self.folder / name):
+                    write_file_atomic(self.folder / name, lambda f, image=image: image.save(f, format="PNG"))
                 logged[f"sample_{prompt.index}"] = (image, prompt.prompt)
                 how = self.family.sample_description(prompt, prompt.sampler or self.plan.sampler)
                 log.info("sample %02d: %dx%d%s, seed %d%s: %s", prompt.index, *image.size, how,

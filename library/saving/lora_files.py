@@ -16,7 +16,10 @@ a-000001``; ``OutputNames.shares_names_with`` finds such a shared name, and ``li
 start while a run holding the lock of such a name writes into the same folder.
 
 A state is a folder (``library/saving/state_file.py``: safetensors and JSON, no pickle); files and folders are replaced
-atomically (``library/base/files.py``), so an interruption leaves the previous save intact.
+atomically (``library/base/files.py``), so an interruption leaves the previous save intact. A save or removal that
+the file system refuses (a full disk, bytes or inodes; a read-only or vanished folder) stops the run with
+``WriteFailed`` (exit 2, ``library/base/errors.py``) naming the file, the cause and the way out; the write's
+temporaries are removed and every earlier file stays as it was.
 
 No file the trainer writes holds a NaN or an infinity: before anything of a save is written, the LoRA tensors (cast
 to ``--save_precision`` as ``networks.lora_format.cast_for_saving`` writes them: a weight can overflow fp16) and every
@@ -41,7 +44,7 @@ from typing import Any
 
 import torch
 
-from library.base.errors import TrainingDiverged
+from library.base.errors import TrainingDiverged, writing
 from library.base.files import remove_folder
 from library.base.fs_checks import ensure_free_space, ensure_room_for_save, nested_tensor_bytes
 from library.config import SaveConfig
@@ -160,20 +163,27 @@ class Saver:
     def save_lora(self, network, stem: str, metadata: dict[str, str]) -> Path:
         path = self.lora_path(stem)
         ensure_room_for_save(self.output_dir, network, self.dtype, False, path.name)
-        network.save_weights(str(path), self.dtype, metadata if self.ext == "safetensors" else None)
+        with writing("cannot write the LoRA file", path):
+            network.save_weights(str(path), self.dtype, metadata if self.ext == "safetensors" else None)
         self.last_lora = path
         return path
 
     def save_state(self, stem: str, state: tuple[dict[str, Any], dict[str, Any]]) -> None:
         objects, train_state = state
         ensure_free_space(self.output_dir, nested_tensor_bytes(objects), f"{stem}-state")
-        write_state(self.output_dir / f"{stem}-state", objects, train_state)
+        folder = self.output_dir / f"{stem}-state"
+        with writing("cannot write the state folder", folder):
+            write_state(folder, objects, train_state)
 
     def remove_lora(self, stem: str) -> None:
-        self.lora_path(stem).unlink(missing_ok=True)
+        path = self.lora_path(stem)
+        with writing("cannot remove the old LoRA file", path):
+            path.unlink(missing_ok=True)
 
     def remove_state(self, stem: str) -> None:
-        remove_folder(self.output_dir / f"{stem}-state")
+        folder = self.output_dir / f"{stem}-state"
+        with writing("cannot remove the old state folder", folder):
+            remove_folder(folder)
 
 
 def make_save_hooks(saver: Saver, names: OutputNames, network,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from library.base.errors import UserError
 from library.config import ScheduleConfig
 from library.saving.state_file import DAMAGED_HINT, TENSORS_FILE, SavedState, StateFormatError, encode
 from library.saving.state_schema import shape_problems, steps_beyond_position
-from library.saving.trajectory import differences, network_differences
+from library.saving.trajectory import NETWORK_HINT, differences, network_differences, setting_differences
 from library.train.accumulation import Accumulation
 from library.train.finite import floating_tensors, refuse_non_finite
 from library.train.loss_scale import DynamicLossScale
@@ -117,14 +117,20 @@ def saved_seed(saved: SavedState) -> int | None:
     return None if saved.legacy else _whole(saved, saved.train_state, "seed")
 
 
-def check_trajectory(saved: SavedState, now: dict[str, Any]) -> None:
-    """Refuse a resume whose run would follow another trajectory than the saved one, naming each difference."""
-    stored = saved.train_state.get("trajectory")
-    if saved.legacy or not isinstance(stored, dict):
+def check_trajectory(saved: SavedState, now: dict[str, Any], network: Mapping[str, Any], denoiser: str) -> None:
+    """Refuse a resume whose run would follow another trajectory than the saved one, or whose network settings
+    (``network``: the config's network section) would change what the saved LoRA means, naming each difference
+    (the denoiser by its family's name, ``denoiser``)."""
+    if saved.legacy:
         return
-    found = differences(stored, now)
-    if found:
-        raise UserError(*(f"--resume {saved.folder}: {line}" for line in found), RESUME_HINT)
+    stored = saved.train_state.get("trajectory")
+    found = differences(stored, now) if isinstance(stored, dict) else []
+    config = saved.train_state.get("config")
+    saved_network = config.get("network") if isinstance(config, dict) else None
+    settings = setting_differences(saved_network, network, denoiser) if isinstance(saved_network, dict) else []
+    if found or settings:
+        raise UserError(*(f"--resume {saved.folder}: {line}" for line in found + settings),
+                        *([NETWORK_HINT] if settings else []), RESUME_HINT)
 
 
 def check_finite(saved: SavedState) -> None:

@@ -120,12 +120,53 @@ def build_network(cfg: NetworkConfig, model: Any, policy: PrecisionPolicy, devic
     if cfg.network_weights:
         check_weights_fit(cfg, network_weights_shapes(cfg.network_weights), network, train_te, train_unet)
     if cfg.network_weights and not cfg.dim_from_weights:
-        info = network.load_weights(cfg.network_weights)
-        log.info("loaded network weights from %s: %s", cfg.network_weights, info)
+        load_keeping_alphas(network, cfg.network_weights)
     network.to(device, policy.network_dtype)
     network.prepare_grad_etc(text_encoder, model.unet)
+    check_trains_a_module(cfg, network)
     network.train()
     return network, train_te
+
+
+def load_keeping_alphas(network: torch.nn.Module, path: str) -> None:
+    """``--network_weights`` into a network built with this run's ``--network_alpha`` / ``conv_alpha``.
+
+    sd-scripts (``networks/lora.py`` ``load_weights``) loads the file's ``alpha`` buffers too, while every module
+    keeps the scale it computed from ``--network_alpha``: its run trains at one alpha and saves another, and loaders
+    apply a scale the run never trained with. Here the run's alphas stay, so that its files record what it trained;
+    a file saved at other alphas is named, with the factor by which its LoRA now acts more or less at the start."""
+    alphas = {name: buffer.clone() for name, buffer in network.named_buffers() if name.rsplit(".", 1)[-1] == "alpha"}
+    info = network.load_weights(path)
+    log.info("loaded network weights from %s: %s", path, info)
+    changed = []
+    for name, buffer in network.named_buffers():
+        if name in alphas and not torch.equal(buffer, alphas[name]):
+            changed.append((float(buffer), float(alphas[name])))  # once, at the start: not a per-step sync
+            buffer.copy_(alphas[name])
+    if changed:
+        saved, now = changed[0]
+        log.warning("--network_weights %s: %d modules were saved at another alpha than this run's (e.g. %g, now "
+                    "%g): they train and are saved at this run's alpha, so the loaded LoRA acts %.3gx as strongly "
+                    "as the file did; pass the file's --network_alpha (and conv_alpha), or --dim_from_weights, to "
+                    "continue at its scale", path, len(changed), saved, now, now / saved if saved else float("inf"))
+
+
+def check_trains_a_module(cfg: NetworkConfig, network: torch.nn.Module) -> None:
+    """A network whose arguments select no layer (every block left out, every rank 0, no pattern matching, the
+    only part that had modules not trained) has no parameter to train. sd-scripts builds it, loads and caches, and
+    stops at the first backward pass (``element 0 of tensors does not require grad``); here it is a ``UserError``
+    naming the arguments when the network is attached, whatever ``--network_module`` built it."""
+    if any(param.requires_grad for param in network.parameters()):
+        return
+    given = [f"--network_module {cfg.network_module}"]
+    if cfg.network_args:
+        given.append("--network_args " + " ".join(cfg.network_args))
+    given += [flag for flag, on in (("--network_train_unet_only", cfg.network_train_unet_only),
+                                    ("--network_train_text_encoder_only", cfg.network_train_text_encoder_only),
+                                    ("--dim_from_weights", cfg.dim_from_weights)) if on]
+    raise UserError(f"{' '.join(given)}: no module is trained (these arguments select no layer of the model, so the "
+                    "network has no parameter to train); select at least one layer (a block, a rank above 0, a "
+                    "pattern that matches), or leave out the flag that drops the part which has modules")
 
 
 def check_rank(network_dim: int | None, model: Any, family: ModelFamily) -> None:

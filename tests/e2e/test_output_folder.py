@@ -47,18 +47,27 @@ def test_stale_lock_is_taken_over_and_the_lock_is_gone_after_the_run(tmp_path, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors"]
 
 
-def test_the_lock_is_released_on_interrupt_and_on_error(tmp_path, monkeypatch):
+def test_the_lock_is_released_on_interrupt_and_on_error(tmp_path, monkeypatch, capsys):
     def interrupted(self, batch):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
         m.setattr(BatchLoss, "__call__", interrupted)
         assert train_network.main(train_args(tmp_path / "a")) == 130
+        # Ctrl-C at the first step: no checkpoint exists to be "intact"; a LoRA from before the run is named
+        assert capsys.readouterr().err.splitlines()[-1] == "interrupted: nothing was saved by this run"
+        assert not (tmp_path / "a").exists()  # the run created it and left it empty: removed with the lock
+        (tmp_path / "a").mkdir()
+        (tmp_path / "a" / "lora.safetensors").write_bytes(b"an earlier run's file")
+        assert train_network.main(train_args(tmp_path / "a")) == 130
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"interrupted: nothing was saved by this run; {tmp_path / 'a' / 'lora.safetensors'} from before this "
+            "run is left as it was")
     assert not (tmp_path / "a" / "lora.lock").exists()
     args = train_args(tmp_path / "b")
     args[1] = str(tmp_path / "missing.safetensors")  # fails while loading, after the lock was taken
     assert train_network.main(args) == 2
-    assert not any((tmp_path / "b").iterdir())
+    assert not (tmp_path / "b").exists()  # created by the run, left empty: removed
 
 
 def test_files_follow_the_umask(tmp_path):

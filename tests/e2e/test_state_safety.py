@@ -176,8 +176,8 @@ MISMATCHES = {
                                                 "8 images (80 with repeats), batch size 1 now"),
     "accumulation": (("--gradient_accumulation_steps", "2"), "--gradient_accumulation_steps: 1 when saved, 2 now"),
     "seed": (("--seed", "2"), "--seed: 1 when saved, 2 now"),
-    "rank": (("--network_dim", "8"), "modules have other shapes"),
-    "unet_only": (("--network_train_unet_only",), "saved modules are not in this network"),
+    "rank": (("--network_dim", "8"), "--network_dim: 4 when saved, 8 now; pass --network_dim 4"),
+    "unet_only": (("--network_train_unet_only",), "the UNet and the text encoders when saved, the UNet only now"),
 }
 
 
