@@ -4,9 +4,11 @@
 Every key is converted up front; a malformed value or an unknown key is a ``UserError`` naming it (upstream asserts,
 logs a warning and skips, or ignores it). Rank, alpha, the dropouts, LoRA+ ratios and ``conv_dim`` / ``conv_alpha``
 follow ``networks.args.parse_shared_args``, the rules of ``networks.lora``: ``conv_dim`` is accepted as upstream does
-and changes nothing (the FLUX blocks have no Conv2d), ``conv_alpha`` without ``conv_dim`` is refused. ``ggpo_beta`` /
-``ggpo_sigma`` (LoRA-GGPO) are refused: this project's LoRA modules have no weight perturbation. This module parses
-FLUX's own keys only.
+and changes nothing (the FLUX blocks have no Conv2d), ``conv_alpha`` without ``conv_dim`` is refused. ``ggpo_beta``
+and ``ggpo_sigma`` (LoRA-GGPO, ``networks/ggpo.py``) are numbers given together: upstream trains without GGPO when
+one is missing, silently, and fails in ``update_norms`` on ``split_qkv``'s split modules (``ModuleList`` has no
+``weight``), so one without the other, or either with ``split_qkv=True``, is refused. This module parses FLUX's own
+keys only.
 """
 
 from __future__ import annotations
@@ -26,13 +28,10 @@ TRAIN_BLOCKS = ("all", "single", "double")
 
 ACCEPTED_KEYS = (
     *TYPE_DIM_KEYS, "in_dims", "train_blocks", "split_qkv", "train_t5xxl", "train_double_block_indices",
-    "train_single_block_indices", "network_reg_dims", "network_reg_lrs", "verbose", *SHARED_KEYS,
+    "train_single_block_indices", "network_reg_dims", "network_reg_lrs", "verbose", "ggpo_beta", "ggpo_sigma",
+    *SHARED_KEYS,
 )
 CONV_NOTE = "; networks.lora_flux has no conv layers for either to apply to: leave both out"
-REFUSED_KEYS = {
-    "ggpo_beta": "LoRA-GGPO (ggpo_beta/ggpo_sigma) is not implemented by this trainer; train without it",
-    "ggpo_sigma": "LoRA-GGPO (ggpo_beta/ggpo_sigma) is not implemented by this trainer; train without it",
-}
 
 
 @dataclass
@@ -49,6 +48,23 @@ class FluxLoRAArgs:
     reg_dims: dict[str, int] = field(default_factory=dict)
     reg_lrs: dict[str, float] = field(default_factory=dict)
     verbose: bool = False
+    ggpo: tuple[float, float] | None = None  # (ggpo_beta, ggpo_sigma); None: no LoRA-GGPO
+
+
+def _ggpo(given: Mapping[str, Any], split_qkv: bool) -> tuple[float, float] | None:
+    """``ggpo_beta`` and ``ggpo_sigma``, both or neither (upstream ``create_network``: ``float`` of each)."""
+    present = [key for key in ("ggpo_beta", "ggpo_sigma") if key in given]
+    if not present:
+        return None
+    if len(present) == 1:
+        other = "ggpo_sigma" if present[0] == "ggpo_beta" else "ggpo_beta"
+        raise UserError(f"network_args {present[0]} without {other}: LoRA-GGPO needs both (upstream silently trains "
+                        f"without it); add {other}=<number> (e.g. ggpo_beta=0.01 ggpo_sigma=0.03) or drop "
+                        f"{present[0]}")
+    if split_qkv:
+        raise UserError("network_args ggpo_beta/ggpo_sigma with split_qkv=True: upstream's LoRA-GGPO has no "
+                        "perturbation for split modules and fails on them; drop split_qkv or the ggpo args")
+    return parse_number("ggpo_beta", given["ggpo_beta"]), parse_number("ggpo_sigma", given["ggpo_sigma"])
 
 
 def _in_dims(value: str) -> tuple[int, ...]:
@@ -112,7 +128,7 @@ def parse_flux_network_args(network_dim: Any, network_alpha: Any, neuron_dropout
     """Convert and check everything ``networks.lora_flux.create_network`` receives; ``None`` values count as not
     given. Block indices are kept as text until the model's block counts are known."""
     given = {k: v for k, v in kwargs.items() if v is not None}
-    check_keys(given, ACCEPTED_KEYS, "networks.lora_flux", REFUSED_KEYS)
+    check_keys(given, ACCEPTED_KEYS, "networks.lora_flux")
     args = parse_shared_args(network_dim, network_alpha, neuron_dropout, given, CONV_NOTE)
     flux = FluxLoRAArgs(
         train_blocks=_train_blocks(given.get("train_blocks")),
@@ -122,6 +138,7 @@ def parse_flux_network_args(network_dim: Any, network_alpha: Any, neuron_dropout
         double_indices=given.get("train_double_block_indices"),
         single_indices=given.get("train_single_block_indices"),
     )
+    flux.ggpo = _ggpo(given, flux.split_qkv)
     type_dims = tuple(parse_whole_number(k, given[k]) if k in given else None for k in TYPE_DIM_KEYS)
     flux.type_dims = None if all(d is None for d in type_dims) else type_dims
     if "in_dims" in given:

@@ -8,7 +8,8 @@ The network is a ``networks.lora.LoRANetwork`` (apply_to, set_multiplier, merge_
 load/save with the sshs hashes are that class's) with FLUX's modules (``networks/flux_targets.py``) and upstream's
 ``prepare_optimizer_params_with_multiple_te_lrs`` (``networks/flux_groups.py``); the network args are
 ``networks/flux_args.py``. Modules are ``networks.lora_modules.LoRAModule`` (dropouts, rank dropout, module
-dropout as ``networks.lora``).
+dropout as ``networks.lora``); with ``ggpo_beta`` and ``ggpo_sigma``, ``networks.ggpo.GGPOLoRAModule``, whose norms
+``norm_update`` (the trainer's hook between clipping and the optimizer step) keeps.
 
 Keys: ``lora_unet_<BFL path>`` (``lora_unet_double_blocks_0_img_attn_qkv``, ``lora_unet_single_blocks_0_linear1``,
 with ``in_dims`` also ``lora_unet_img_in`` ...), ``lora_te1_text_model_...`` (CLIP-L), ``lora_te3_encoder_block_...``
@@ -51,6 +52,7 @@ from networks.flux_targets import (
     split_dims,
     text_encoder_candidates,
 )
+from networks.ggpo import GGPO, GGPOLoRAModule
 from networks.lora import LoRANetwork
 from networks.lora_format import module_ranks
 from networks.lora_modules import LoRAModule
@@ -103,7 +105,21 @@ class FluxLoRANetwork(LoRANetwork):
         self.unet_loras = self._make_loras(flux_found, ranks, alphas)
         for lora in self.text_encoder_loras + self.unet_loras:
             self.add_module(lora.lora_name, lora)
+        self._ggpo: GGPO | None = None
         self._log(te_candidates + flux_found, ranks)
+
+    @property
+    def norm_update(self) -> Any:
+        """LoRA-GGPO's update of the norms (``networks.ggpo.GGPO.update``, called with the clipped gradients before
+        each optimizer step, as upstream's ``update_grad_norms`` / ``update_norms``); None without GGPO. Taken at
+        the first call, over the modules the network has then (``apply_to`` drops those of untrained parts)."""
+        if self.flux_args.ggpo is None:
+            return None
+        if self._ggpo is None:
+            beta, sigma = self.flux_args.ggpo
+            modules = [m for m in self.text_encoder_loras + self.unet_loras if isinstance(m, GGPOLoRAModule)]
+            self._ggpo = GGPO(beta, sigma, modules)
+        return self._ggpo.update
 
     def _make_loras(self, candidates: Iterable[Candidate], ranks: Mapping[str, int],
                  alphas: Mapping[str, Any]) -> list[LoRAModule]:
@@ -122,8 +138,9 @@ class FluxLoRANetwork(LoRANetwork):
         if parts is not None:
             alpha = (rank if alpha is None or alpha == 0 else alpha) * len(parts)
             rank = rank * len(parts)
-        lora = LoRAModule(candidate.name, candidate.layer, self.multiplier, rank, alpha, dropout=a.neuron_dropout,
-                          rank_dropout=a.rank_dropout, module_dropout=a.module_dropout)
+        kind = GGPOLoRAModule if self.flux_args.ggpo is not None else LoRAModule
+        lora = kind(candidate.name, candidate.layer, self.multiplier, rank, alpha, dropout=a.neuron_dropout,
+                    rank_dropout=a.rank_dropout, module_dropout=a.module_dropout)
         if parts is not None:
             up = BlockDiagonalLinear(rank // len(parts), parts)
             lora.lora_up = up.to(lora.lora_down.weight.device)
@@ -190,10 +207,12 @@ def create_network_from_weights(multiplier: float, file: str | os.PathLike[str] 
                                 for_inference: bool = False, **kwargs: Any) -> tuple[FluxLoRANetwork, dict]:
     """A network shaped like a saved file (rank from each ``lora_down``, alpha from ``.alpha``, rank when absent);
     T5 modules when the file has ``lora_te3_`` keys. Split modules of a ``split_qkv`` file load as plain modules of
-    the file's rank, as upstream. Weights are not loaded here; ``kwargs`` may carry LoRA+ ratios and
-    ``network_reg_lrs``; ``for_inference`` is accepted for compatibility."""
+    the file's rank, as upstream. Weights are not loaded here; ``kwargs`` may carry LoRA+ ratios,
+    ``network_reg_lrs`` and the GGPO args (upstream drops those here; ``--dim_from_weights`` trains with GGPO as
+    without); ``for_inference`` is accepted for compatibility."""
     weights_sd, dims, alphas = module_ranks(file, weights_sd)
-    shaping = {k: v for k, v in kwargs.items() if k.startswith("loraplus_") or k == "network_reg_lrs"}
+    shaping = {k: v for k, v in kwargs.items()
+               if k.startswith(("loraplus_", "ggpo_")) or k == "network_reg_lrs"}
     args, flux_args = parse_flux_network_args(None, None, None, shaping)
     flux_args.train_t5xxl = any(name.startswith(PREFIX_T5 + "_") for name in dims)
     network = FluxLoRANetwork(text_encoders, flux, multiplier=multiplier, args=args, flux_args=flux_args,

@@ -106,9 +106,17 @@ class LoRAModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         org_out = self.org_forward(x)
-        keep = None
-        if self.module_dropout is not None and self.training:
-            keep = torch.rand((), device=x.device) >= self.module_dropout  # drawn first, as sd-scripts does
+        return org_out + self.branch(x, self.module_keep(x)).to(org_out.dtype)
+
+    def module_keep(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``module_dropout``'s 0-dim keep flag on ``x``'s device, drawn first as sd-scripts does; None when the
+        module is not dropped out (no dropout, or not training)."""
+        if self.module_dropout is None or not self.training:
+            return None
+        return torch.rand((), device=x.device) >= self.module_dropout
+
+    def branch(self, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """The LoRA branch ``up(down(x)) * multiplier * scale`` with its dropouts, in the LoRA weights' dtype."""
         lx = self.lora_down(x.to(self.lora_down.weight.dtype))
         if keep is not None:
             lx = lx * keep.to(lx.dtype)
@@ -125,7 +133,7 @@ class LoRAModule(nn.Module):
             scale = self.scale / (1.0 - self.rank_dropout)
         lx = self.lora_up(lx)
         multiplier = self.multiplier_tensor if torch.compiler.is_compiling() else self._multiplier
-        return org_out + (lx * (multiplier * scale)).to(org_out.dtype)
+        return lx * (multiplier * scale)
 
 
 def set_multipliers(loras: list[LoRAModule], value: float) -> None:

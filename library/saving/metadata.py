@@ -70,8 +70,8 @@ def modelspec(cfg: TrainConfig, ids: ModelIds, resolution: tuple[int, int], thum
 
     ``modelspec.timestep_range`` is "min,max" when ``--min_timestep`` or ``--max_timestep`` is given (the other
     end 0 or 1000), ``modelspec.encoder_layer`` the ``--clip_skip``; every ``--metadata_*`` flag that is given
-    becomes ``modelspec.<name>``, with ``thumbnail`` the data URL (``thumbnail_data_url``). The architecture and
-    implementation are the model family's (``ids``).
+    becomes ``modelspec.<name>``, with ``thumbnail`` the data URL (``thumbnail_data_url``). The architecture,
+    implementation and prediction type (none for a family whose ``ids`` has none) are the model family's.
     """
     m, s, nz = cfg.model, cfg.save, cfg.noise
     spec = {
@@ -79,9 +79,10 @@ def modelspec(cfg: TrainConfig, ids: ModelIds, resolution: tuple[int, int], thum
         "modelspec.architecture": ids.architecture,
         "modelspec.implementation": ids.implementation,
         "modelspec.resolution": f"{resolution[0]}x{resolution[1]}",
-        "modelspec.prediction_type": "v" if m.v_parameterization else "epsilon",
         "modelspec.implementation_version": PROJECT_VERSION,
     }
+    if ids.prediction_type is not None:
+        spec["modelspec.prediction_type"] = ids.prediction_type
     if nz.min_timestep is not None or nz.max_timestep is not None:
         low = nz.min_timestep if nz.min_timestep is not None else 0
         high = nz.max_timestep if nz.max_timestep is not None else 1000

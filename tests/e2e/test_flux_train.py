@@ -54,6 +54,7 @@ def test_metadata_names_flux_and_its_training_settings(fp32_run):
     assert meta["ss_base_model_version"] == "flux1"
     assert meta["modelspec.architecture"] == "flux-1-dev/lora"
     assert meta["modelspec.implementation"] == "https://github.com/black-forest-labs/flux"
+    assert "modelspec.prediction_type" not in meta  # upstream build_metadata writes none for FLUX.1
     assert meta["ss_network_module"] == "networks.lora_flux"
     assert (meta["ss_timestep_sampling"], meta["ss_model_prediction_type"]) == ("shift", "raw")
     assert (meta["ss_guidance_scale"], meta["ss_discrete_flow_shift"], meta["ss_apply_t5_attn_mask"]) == \

@@ -50,14 +50,16 @@ def make_updater(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimi
                  scheduler: torch.optim.lr_scheduler.LRScheduler, accumulation: Accumulation,
                  accumulation_steps: int, max_grad_norm: float, max_nan_steps: int, *,
                  loss_scale: DynamicLossScale | None = None, max_norm: tuple[object, float] | None = None,
-                 fused: bool = False, reduce: Callable[[torch.Tensor | None], torch.Tensor | None] = unreduced,
+                 norm_update: Callable[[torch.Tensor | None], torch.Tensor] | None = None, fused: bool = False,
+                 reduce: Callable[[torch.Tensor | None], torch.Tensor | None] = unreduced,
                  scheduler_ticks: int = 1, readout: Readout | None = None, updates: int = 0) -> Updater:
     """The updater of the run's mode: fused under ``--fused_backward_pass``, deferred where the optimizer decides on
     the device and nothing needs the decision before the next update (``DeferredUpdater.fits``), else immediate.
 
-    ``max_norm``: (network, --scale_weight_norms); ``reduce``: the processes' gradient reduction
-    (``GradientReducer.reduce``); ``scheduler_ticks``: LR schedule ticks per update, one per process;
-    ``updates``: the global step the run starts at (a resumed run's)."""
+    ``max_norm``: (network, --scale_weight_norms); ``norm_update``: the network's norm update before each step
+    (LoRA-GGPO's; the config refuses it with ``--fused_backward_pass``, which frees the gradients inside backward);
+    ``reduce``: the processes' gradient reduction (``GradientReducer.reduce``); ``scheduler_ticks``: LR schedule
+    ticks per update, one per process; ``updates``: the global step the run starts at (a resumed run's)."""
     if fused:
         mode: type[Updater] = FusedUpdater
     elif DeferredUpdater.fits(optimizer, loss_scale, max_norm):
@@ -65,5 +67,6 @@ def make_updater(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimi
     else:
         mode = ImmediateUpdater
     return mode(params, optimizer, scheduler, accumulation, accumulation_steps, max_grad_norm, max_nan_steps,
-                loss_scale=loss_scale, max_norm=max_norm, reduce=reduce, scheduler_ticks=scheduler_ticks,
-                readout=readout if readout is not None else Readout(), updates=updates)
+                loss_scale=loss_scale, max_norm=max_norm, norm_update=norm_update, reduce=reduce,
+                scheduler_ticks=scheduler_ticks, readout=readout if readout is not None else Readout(),
+                updates=updates)

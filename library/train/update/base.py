@@ -68,12 +68,15 @@ class Updater(ABC):
     max_nan_steps: int
     loss_scale: DynamicLossScale | None = None
     max_norm: tuple[object, float] | None = None  # (network, --scale_weight_norms)
+    # the network's norm update before each step (LoRA-GGPO: ``networks.ggpo.GGPO.update``); takes ``apply``
+    norm_update: Callable[[torch.Tensor | None], torch.Tensor] | None = None
     reduce: Callable[[torch.Tensor | None], torch.Tensor | None] = unreduced  # GradientReducer.reduce
     scheduler_ticks: int = 1  # LR schedule ticks per update: one per process (StepPlan.lr_ticks)
     readout: Readout = field(default_factory=Readout)
     updates: int = 0  # the global step: updates finished, applied or skipped (a resumed run starts at its step)
     skipped: int = field(default=0, init=False)  # updates skipped as non-finite, in this run
     max_norm_log: list[tuple[int, tuple[int, float, float]]] = field(default_factory=list, init=False)  # not logged
+    norm_log: list[tuple[int, list[float]]] = field(default_factory=list, init=False)  # (update, norm_update's)
     _loss_sum: torch.Tensor | None = field(default=None, init=False)
     _loss_finite: torch.Tensor | None = field(default=None, init=False)
     _weights_finite: tuple[torch.Tensor, int] | None = field(default=None, init=False)  # (flag, update) to read
@@ -193,6 +196,15 @@ class Updater(ABC):
         values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device) for v in stats])
         self.readout.defer(values, lambda numbers: self.max_norm_log.append(
             (update, (int(numbers[0]), numbers[1], numbers[2]))))
+
+    def _update_norms(self, update: int, apply: torch.Tensor | None = None) -> None:
+        """``norm_update`` with the clipped gradients and the weights before the step of update ``update`` (upstream
+        ``train_network.py`` calls the network's ``update_grad_norms`` and ``update_norms`` there); its numbers are
+        read with the next read and land in ``norm_log``."""
+        if self.norm_update is None:
+            return
+        stats = self.norm_update(apply)
+        self.readout.defer(stats, lambda numbers: self.norm_log.append((update, numbers)))
 
     def _host_state(self, param: torch.nn.Parameter) -> dict[str, Any] | None:
         """The optimizer's host-side state of ``param`` (its step counter...), None when it has none yet."""

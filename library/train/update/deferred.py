@@ -70,6 +70,7 @@ class DeferredUpdater(Updater):
         apply = window[1]
         stepped = [p for p in self.params if p.grad is not None]
         host_states = [self._host_state(p) for p in stepped]
+        self._update_norms(self.updates + 1, apply)  # this update is counted when it is read
         self.optimizer.step(apply=apply)
         self.optimizer.zero_grad(set_to_none=True)
         self._max_norm(self.updates + 1, apply)  # this update is counted when it is read

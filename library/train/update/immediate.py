@@ -27,6 +27,7 @@ class ImmediateUpdater(Updater):
             self.optimizer.zero_grad(set_to_none=True)
             self._decide(False, loss_finite)
             return UpdateResult(applied=False, loss=loss, grad_norm=norm_value)
+        self._update_norms(self.updates)
         self.optimizer.step()
         self._decide(True, loss_finite)
         self.optimizer.zero_grad(set_to_none=True)

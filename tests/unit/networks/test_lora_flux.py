@@ -263,7 +263,7 @@ def test_dropouts_reach_every_module():
 @pytest.mark.parametrize("network_args, message", [
     ({"train_blocks": "both"}, "train_blocks"),
     ({"train_double_block_indices": "0-2"}, "0-1"),  # the tiny model has 2 double blocks
-    ({"ggpo_beta": "0.01", "ggpo_sigma": "0.03"}, "GGPO"),
+    ({"ggpo_beta": "0.01"}, "LoRA-GGPO needs both"),
     ({"in_dims": "[4,4]"}, "5 ranks"),
     ({"img_atn_dim": "4"}, "img_attn_dim"),
     ({"network_reg_dims": "double_blocks"}, "regex=value"),

@@ -36,6 +36,7 @@ class FakeData:
 class FakeUpdater:
     skipped = 0
     max_norm_log: list = []
+    norm_log: list = []
 
     def backward(self, loss: torch.Tensor) -> None:
         pass
