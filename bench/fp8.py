@@ -53,10 +53,11 @@ def child(argv: list[str]) -> int:
 
     store = model_setup.store_frozen_fp8
 
-    def measured_store(model, policy, family):
-        store(model, policy, family)
+    def measured_store(model, policy, family, *args, **kwargs):
+        applied = store(model, policy, family, *args, **kwargs)
         print(MARKER + json.dumps({"unet": parameter_bytes(model.unet),
                                    "text_encoder": parameter_bytes(model.text_encoder)}), flush=True)
+        return applied
 
     model_setup.store_frozen_fp8 = measured_store
     return memory_speed.child(argv)

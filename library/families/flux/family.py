@@ -27,6 +27,7 @@ from library.families.flux.flow import (
     training_guidance,
     unpack_latents,
 )
+from library.families.flux.fp8 import FP8, t5_weight_dtype, text_encoder_kind
 from library.families.flux.text_encoding import FluxCond, encode_prompts
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,10 @@ class FluxFamily(ModelFamily):
     cache_names: tuple[str, ...] = ("l_pooled", "t5_out", "txt_ids", "t5_attn_mask")
 
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
-        """``ss_base_model_version`` flux1; ModelSpec ``flux-1-dev/lora`` or ``flux-1-schnell/lora``."""
+        """``ss_base_model_version`` flux1; ModelSpec ``flux-1-dev/lora`` or ``flux-1-schnell/lora``, and no
+        prediction type (upstream ``sai_model_spec.build_metadata_dataclass`` sets none for a "flux" model)."""
         variant = "schnell" if model is not None and model.is_schnell else "dev"
-        return ModelIds("flux1", f"flux-1-{variant}/lora", FLUX_IMPLEMENTATION)
+        return ModelIds("flux1", f"flux-1-{variant}/lora", FLUX_IMPLEMENTATION, None)
 
     def metadata(self, cfg: Any) -> dict[str, str]:
         """The keys upstream's ``FluxNetworkTrainer.update_metadata`` adds."""
@@ -76,6 +78,7 @@ class FluxFamily(ModelFamily):
         model.t5_max_length = section.t5xxl_max_token_length
         model.apply_t5_attn_mask = section.apply_t5_attn_mask
         model.guidance_scale = section.guidance_scale
+        model.t5_file_fp8 = t5_weight_dtype(model.t5xxl) == FP8
         return model
 
     def denoiser_device(self, section: Any, device: torch.device) -> torch.device:
@@ -106,6 +109,23 @@ class FluxFamily(ModelFamily):
         0.3611)."""
         return (latents - vae.config.shift_factor) * vae.config.scaling_factor
 
+    def fp8_text_encoders(self, model: Any, cached_outputs: bool) -> list[torch.nn.Module]:
+        """Both encoders without cached outputs; with them only T5-XXL, and only when its file is fp8: upstream's
+        ``cache_text_encoder_outputs_if_needed`` caches with CLIP-L in the mixed dtype ("always not fp8") and
+        T5-XXL as its file stores it (fp8 used as is, anything else cast to the mixed dtype)."""
+        if not cached_outputs:
+            return [model.clip_l, model.t5xxl]
+        return [model.t5xxl] if model.t5_file_fp8 else []
+
+    def place_text_encoder(self, text_encoder: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                           fp8_next: bool) -> None:
+        """T5-XXL stays in its file's dtype when it is stored in fp8 next: upstream loads it as stored under
+        ``--fp8_base`` and casts it to fp8 from there, not through the mixed dtype; CLIP-L is always in ``dtype``."""
+        if fp8_next and text_encoder_kind(text_encoder) == "t5":
+            text_encoder.to(device)
+        else:
+            text_encoder.to(device, dtype)
+
     def store_fp8(self, part: torch.nn.Module, denoiser: bool, dtype: torch.dtype) -> int:
         """``--fp8_base`` as upstream: the whole transformer (``model.to(float8_e4m3fn)``), CLIP-L but its
         embeddings, T5's Linear layers with its gated MLPs re-wired (``fp8.py``)."""
@@ -113,7 +133,7 @@ class FluxFamily(ModelFamily):
 
         if denoiser:
             return store_transformer_fp8(part, dtype)
-        if type(part).__name__ == "T5EncoderModel":
+        if text_encoder_kind(part) == "t5":
             return store_t5_fp8(part, dtype)
         return store_clip_l_fp8(part, dtype)
 

@@ -53,6 +53,7 @@ class FluxModel:
     t5_max_length: int | None = None  # --t5xxl_max_token_length (None: 512 for dev, 256 for schnell)
     apply_t5_attn_mask: bool = False  # --apply_t5_attn_mask
     guidance_scale: float = 3.5  # --guidance_scale, the training steps' guidance input (dev)
+    t5_file_fp8: bool = False  # T5-XXL's file stores its Linear weights in float8_e4m3fn
 
     @property
     def is_schnell(self) -> bool:

@@ -115,10 +115,7 @@ def test_fp8_with_block_swap_equal():
 def test_t5_as_upstream_prepares_it():
     torch.manual_seed(0)
     t5 = build_t5xxl(part_config(TINY_CONFIGS, "t5xxl", num_layers=2, num_decoder_layers=2)).to(BF16).eval()
-    rounded = copy.deepcopy(t5)
-    for module in rounded.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.weight.data = module.weight.data.to(FP8).to(BF16)
+    rounded = _rounded(t5)  # upstream casts T5 whole to fp8, then T5LayerNorm and embeddings back to bf16
     layers = store_t5_fp8(t5, BF16)
     assert layers == 2 * (4 + 3)  # q, k, v, o and wi_0, wi_1, wo per layer
     kept = {type(m).__name__ for m in t5.modules() if any(p.dtype == BF16 for p in m.parameters(recurse=False))}
