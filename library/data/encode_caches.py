@@ -17,6 +17,7 @@ import torch
 
 from library.base.errors import UserError
 from library.config import DataConfig
+from library.data.cache_progress import QUIET, CacheProgress
 from library.data.latent_cache import LatentFiles
 from library.data.text_cache import ArrayNames
 from library.families.base import ModelFamily
@@ -32,16 +33,20 @@ def release_cached_memory(device: torch.device, highvram: bool) -> None:
 
 def cache_latents(data, model: Any, policy: PrecisionPolicy, device: torch.device, cfg: DataConfig,
                   files: LatentFiles, highvram: bool = False, share: Callable[[int], bool] | None = None,
-                  wait: Callable[[], None] = lambda: None) -> None:
+                  wait: Callable[[], None] = lambda: None, progress: CacheProgress = QUIET,
+                  generator: torch.Generator | None = None) -> None:
     """Encode every image once (``--cache_latents``), then move the VAE off the training device. As sd-scripts,
     the CUDA cache is emptied after each VAE batch unless ``--highvram``. ``files``: the family's cache file name
-    suffix and latent channels; ``share`` and ``wait`` split a disk cache between processes
-    (``TrainData.cache_latents``)."""
+    suffix and latent channels; ``generator``: where the VAE posterior samples come from (``latent_generator``;
+    None: torch's global generator); ``share`` and ``wait`` split a disk cache between processes
+    (``TrainData.cache_latents``); ``progress``: the bar and the check before each batch
+    (``library/data/cache_progress.py``); the processes leave through ``wait`` together."""
     vae = model.vae
 
     @torch.no_grad()
     def encode(images: torch.Tensor) -> torch.Tensor:
-        latents = vae.encode(images.to(device, policy.vae_dtype)).latent_dist.sample().float().cpu()
+        posterior = vae.encode(images.to(device, policy.vae_dtype)).latent_dist
+        latents = posterior.sample(generator=generator).float().cpu()
         release_cached_memory(device, highvram)
         if not torch.isfinite(latents).all():  # on the CPU already: no extra wait for the device
             fix = ("VAEs can overflow in fp16 (SDXL's does): add --no_half_vae (or use a VAE fixed for fp16)"
@@ -56,9 +61,32 @@ def cache_latents(data, model: Any, policy: PrecisionPolicy, device: torch.devic
     for param in list(vae.parameters())[:4]:
         digest.update(param.detach().float().cpu().numpy().tobytes())
     vae_id = digest.hexdigest()[:16]
-    data.cache_latents(encode, to_disk=cfg.cache_latents_to_disk, vae_id=vae_id, batch_size=cfg.vae_batch_size,
-                       files=files, share=share, wait=wait)
+    data.cache_latents(progress.watch(encode), to_disk=cfg.cache_latents_to_disk, vae_id=vae_id,
+                       batch_size=cfg.vae_batch_size, files=files, share=share, wait=wait, progress=progress)
+    wait()
     vae.to("cpu")
+
+
+def latent_generator(seed: int, device: torch.device, cpu_draws: int) -> torch.Generator:
+    """The generator of the latent cache's VAE posterior samples, so that a seeded run caches upstream's latents.
+    Upstream ``train_network.py`` calls ``set_seed(seed)``, loads the model, then caches (``new_cache_latents``,
+    ``strategy_sd.cache_batch_latents``: ``latent_dist.sample()``) with torch's global generator of the VAE's device,
+    one draw per batch of ``--vae_batch_size`` images of a bucket, smallest buckets first, the training images
+    before the validation images, as ``TrainData.cache_latents`` encodes them; disk or RAM alike.
+
+    On CUDA nothing drew from that generator before (upstream builds its models on the CPU), so a CUDA generator
+    seeded with ``seed`` continues alike. On the CPU upstream's loading drew ``cpu_draws`` numbers first
+    (``ModelFamily.upstream_draws_before_latents``): upstream's global CPU stream is the only way to match there, so
+    this is a CPU generator seeded alike and advanced by as many uniform draws (seconds for the 859 million of an
+    SD 1.5 U-Net). Torch's global generators are left as they were."""
+    generator = torch.Generator(device).manual_seed(seed)
+    remaining = cpu_draws if device.type == "cpu" else 0
+    block = torch.empty(min(remaining, 1 << 22))
+    while remaining:
+        count = min(remaining, block.numel())
+        block[:count].uniform_(generator=generator)  # one 32-bit draw per float32 element, as upstream's init
+        remaining -= count
+    return generator
 
 
 def module_id(*modules: torch.nn.Module) -> str:
@@ -75,13 +103,13 @@ def module_id(*modules: torch.nn.Module) -> str:
 def cache_text_encoder_outputs(data, model, family: ModelFamily, policy: PrecisionPolicy, device: torch.device,
                                to_disk: bool, max_token_length: int | None, batch_size: int, suffix: str,
                                weighted: bool = False, share: Callable[[int], bool] | None = None,
-                               wait: Callable[[], None] = lambda: None) -> None:
+                               wait: Callable[[], None] = lambda: None, progress: CacheProgress = QUIET) -> None:
     """``--cache_text_encoder_outputs``: encode every caption once with the frozen text encoders (in RAM, or with
     ``--cache_text_encoder_outputs_to_disk`` in ``<image><suffix>`` files, the family's suffix), the held-out
     validation images' too, then move the encoders to the CPU, as sd-scripts does; the network must train the denoiser
     only (checked before loading). With ``weighted`` (``--weighted_captions``) the weighted outputs are cached, as
     sd-scripts' ``is_weighted`` caching strategy. ``share`` and ``wait`` split a disk cache between processes
-    (``TrainData.cache_text_encoder_outputs``)."""
+    (``TrainData.cache_text_encoder_outputs``); ``progress`` as for ``cache_latents``."""
     text_encoders = family.text_encoders(model)
 
     @torch.no_grad()
@@ -98,9 +126,10 @@ def cache_text_encoder_outputs(data, model, family: ModelFamily, policy: Precisi
         return outputs
 
     names = ArrayNames(family.cache_names, output_shapes(encode, device) if to_disk else None, suffix)
-    data.cache_text_encoder_outputs(encode, to_disk=to_disk, encoder_id=module_id(*text_encoders),
+    data.cache_text_encoder_outputs(progress.watch(encode), to_disk=to_disk, encoder_id=module_id(*text_encoders),
                                     max_token_length=max_token_length, names=names, batch_size=batch_size,
-                                    weighted=weighted, share=share, wait=wait)
+                                    weighted=weighted, share=share, wait=wait, progress=progress)
+    wait()
     for text_encoder in text_encoders:
         text_encoder.to("cpu")
 
