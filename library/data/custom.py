@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from library.base.errors import UserError
 from library.config import DataConfig
+from library.data.worker_signals import ignore_stop_signals
 
 CHUNK = 77
 
@@ -247,7 +248,7 @@ class CustomData:
             num_workers = min(self.data.max_data_loader_n_workers, os.cpu_count() or 1)
         sampler = self._share(_ShuffledEpoch(self.progress, len(self), self.seed))
         return DataLoader(self.source, batch_size=None, sampler=sampler,
-                          num_workers=num_workers,
+                          num_workers=num_workers, worker_init_fn=ignore_stop_signals,
                           persistent_workers=self.data.persistent_data_loader_workers and num_workers > 0)
 
     def summary(self) -> list[str]:

@@ -1,0 +1,30 @@
+"""Seed 000's recommended setup with ``--torch_compile`` says when it compiles and how long the first step took.
+
+The compilation of the denoiser happens at its first call, inside the first step: a line before it names what is
+compiled and warns that the first steps take longer, and a line after the first update gives that step's seconds
+(README, "--torch_compile"). ``aot_eager`` stands in for inductor, which needs about 7 CPU-minutes for the tiny UNet
+(README); the backends share dynamo's and AOT autograd's tracing, which is what the first step waits for here.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import train_network
+from tests.e2e.test_train_network import SAMPLES, train_args
+
+
+def test_the_seed_setup_logs_its_compilation(tmp_path, caplog):
+    data = tmp_path / "data"
+    shutil.copytree(SAMPLES, data)
+    args = train_args(tmp_path / "out", "--optimizer_type=SPARKLES", "--train_batch_size=14", "--max_grad_norm=1",
+                      "--gradient_checkpointing", "--torch_compile", "--dynamo_backend=aot_eager", "--no_half_vae",
+                      "--sdpa", "--mixed_precision=bf16", "--full_bf16", "--cache_latents", "--cache_latents_to_disk",
+                      "--max_train_steps", "2", data=data)
+    assert train_network.main(args) == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--torch_compile")]
+    assert lines[0] == ("--torch_compile: compiling the UNet (--dynamo_backend aot_eager) at its first call; the "
+                        "first steps take longer")
+    assert re.fullmatch(r"--torch_compile: the first step took \d+\.\d s, compiling the UNet included", lines[1])
+    assert len(lines) == 2  # once per run, not per step
