@@ -7,10 +7,13 @@ family (``library/families/registry.py``): ``sdxl_train_network.py`` and ``flux_
 Several GPUs or machines: ``accelerate launch --multi_gpu --num_processes N train_network.py ...`` or
 ``torchrun --nproc_per_node N train_network.py ...`` (README, "Several GPUs or machines").
 
-Exit codes: 0 done, 2 bad input (nothing written; also weights or a state holding NaN/Inf), 3 training diverged
+Exit codes: 0 done, 2 bad input (nothing written; also weights or a state holding NaN/Inf) or a file the run cannot
+write (a full disk, bytes or inodes; a read-only or vanished output folder: one line names the file, the cause, what
+to do and the last good LoRA; the temporaries are removed, the lock released), 3 training diverged
 (the message names the last good LoRA: saved at the stop when the weights were still good, else the last file
 written before; no file ever holds NaN/Inf), 4 another process of the run stopped unexpectedly or stopped answering
-(one line names it and the last checkpoint), 130 interrupted (the last saved checkpoint is intact); with several
+(one line names it and the last checkpoint), 130 interrupted (one line names the last checkpoint the run saved, or
+says that it saved none and names a file from before it at the final name); with several
 processes every process exits with the code of the one that stopped the run.
 """
 
@@ -70,12 +73,12 @@ def main(argv: list[str] | None = None, family: str = "sd") -> int:
         for message in exc.messages if _prints_errors() else []:
             print(f"error: {message}", file=sys.stderr)
         return exc.exit_code
-    except Stopped as exc:  # a multi-process run, stopped on every process
+    except Stopped as exc:  # a run interrupted, or a multi-process run stopped on every process
         for line in exc.lines:
             print(line, file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted: the last saved checkpoint is intact", file=sys.stderr)
+    except KeyboardInterrupt:  # before the run's processes started: nothing written yet
+        print("interrupted: nothing was saved by this run", file=sys.stderr)
         return 130
     except TrainingDiverged as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -86,8 +89,8 @@ def main(argv: list[str] | None = None, family: str = "sd") -> int:
     if not result.main_process:
         return 0
     print(f"saved {result.lora_path}: {loop.position.step} steps, {loop.position.epoch} epochs, "
-          f"final loss {loop.last_loss:.4f}, {loop.skipped_updates} update{'' if loop.skipped_updates == 1 else 's'} "
-          "skipped as non-finite, "
+          f"loss (last step) {loop.last_loss:.4f}, "
+          f"{loop.skipped_updates} update{'' if loop.skipped_updates == 1 else 's'} skipped as non-finite, "
           f"{loop.seconds:.1f} s ({loop.seconds_per_step:.3f} s/step)")
     return 0
 

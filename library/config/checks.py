@@ -111,14 +111,24 @@ def _family_flag_problems(cfg: TrainConfig) -> list[str]:
     return [message for name, message in family.refused_flags.items() if _is_set(cfg, name, fields)]
 
 
+def _fused_ggpo_problems(cfg: TrainConfig) -> list[str]:
+    """LoRA-GGPO (``networks.ggpo``) reads an update's gradients before the optimizer steps; the fused backward pass
+    steps and frees them inside backward."""
+    keys = sorted({item.split("=", 1)[0].strip() for item in cfg.network.network_args} & {"ggpo_beta", "ggpo_sigma"})
+    if not (cfg.optimizer.fused_backward_pass and keys):
+        return []
+    return [f"--network_args {'/'.join(keys)} (LoRA-GGPO) takes every gradient of an update before the optimizer "
+            "steps, which --fused_backward_pass frees inside backward; drop one of them"]
+
+
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks, run before anything is loaded; every problem is reported at once."""
     problems = (range_problems(cfg) + unavailable_problems(cfg.unavailable) + network_module_problems(cfg.network)
                 + model_problems(cfg.model) + precision_problems(cfg.precision) + _log_problems(cfg.log)
                 + _dataset_class_problems(cfg.data))
     if not cfg.model.pretrained_model_name_or_path and not cfg.data.debug_dataset:
-        problems.append("--pretrained_model_name_or_path is required (a diffusers folder, a .safetensors/.ckpt "
-                        "file, or builtin:tiny-sd15)")
+        problems.append(f"--pretrained_model_name_or_path is required; {cfg.family.script} "
+                        f"takes: {cfg.family.model_help}")
     if not cfg.save.output_dir and not cfg.data.debug_dataset:
         problems.append("--output_dir is required: the folder where the LoRA is written")
     name = cfg.save.output_name
@@ -140,7 +150,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.optimizer.fused_backward_pass and cfg.schedule.gradient_accumulation_steps > 1:
         problems.append("--fused_backward_pass steps each parameter as soon as its gradient exists, so gradients "
                         "cannot be accumulated; use --gradient_accumulation_steps 1 or drop --fused_backward_pass")
-    problems += _family_flag_problems(cfg) + cfg.family.script_problems(cfg)
+    problems += _fused_ggpo_problems(cfg) + _family_flag_problems(cfg) + cfg.family.script_problems(cfg)
     nz, lo, m = cfg.noise, cfg.loss, cfg.model
     if nz.adaptive_noise_scale is not None and nz.noise_offset is None:
         problems.append("--adaptive_noise_scale adds to the noise offset, so it needs --noise_offset (as in "

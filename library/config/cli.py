@@ -38,7 +38,11 @@ LEGACY_OPTIMIZER_FLAGS = {"use_8bit_adam": "AdamW8bit", "use_lion_optimizer": "L
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises ``UserError`` (with a did-you-mean for unknown flags) instead of exiting."""
+    """argparse that raises ``UserError`` instead of exiting: an unknown flag that another script has is named as
+    that script's option (as a TOML key is, ``_owners``), any other gets a did-you-mean."""
+
+    family: Any = None  # the script's FamilySpec
+    families: Sequence[Any] = ()  # every family's record
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if message.startswith("unrecognized arguments:"):
@@ -46,7 +50,11 @@ class _Parser(argparse.ArgumentParser):
             hints = []
             for arg in message.split(":", 1)[1].split():
                 if arg.startswith("--"):
-                    hints.append(f"unknown flag {arg.split('=')[0]}{did_you_mean(arg[2:].split('=')[0], known)}")
+                    name = arg[2:].split("=")[0]
+                    owner = _owners(name, self.family, self.families)
+                    hints.append(f"unknown flag --{name}: it is an option for {owner}; {self.family.script} trains "
+                                 f"{self.family.trains}" if owner is not None
+                                 else f"unknown flag --{name}{did_you_mean(name, known)}")
             raise UserError(*(hints or [message]), f"run `python {self.prog} --help` for the list of flags")
         raise UserError(f"{message} (run `python {self.prog} --help` for usage)")
 
@@ -65,18 +73,29 @@ def _kind(f: dataclasses.Field) -> tuple[str, str | None]:
 _CONVERT = {"int": int, "float": float, "str": str}
 
 
-def build_parser(family: Any) -> argparse.ArgumentParser:
+def _help(f: dataclasses.Field, family: Any) -> str:
+    """A flag's ``--help`` text in the script of ``family``: what its record says the model flag takes, and for a
+    shared flag it refuses or ignores, that it does (``FamilySpec.refused_flags`` / ``ignored_flags``)."""
+    text = family.model_help if f.name == "pretrained_model_name_or_path" else f.metadata["help"]
+    if f.name in family.refused_flags:
+        text = f"not for {family.display_name}, an error when set: {family.refused_flags[f.name]}"
+    elif f.name in family.ignored_flags:
+        text = f"no effect on {family.display_name} ({family.ignored_flags[f.name]}); {text}"
+    return f"{text} (default: {field_default(f)})".replace("%", "%%")
+
+
+def build_parser(family: Any, families: Sequence[Any] = ()) -> argparse.ArgumentParser:
     """The argument parser of the script of ``family`` (a ``FamilySpec``); every default is ``SUPPRESS`` so that
-    explicit flags can be told apart."""
+    explicit flags can be told apart. ``families``: every family's record, to name the script of an unknown flag."""
     parser = _Parser(prog=family.script, description=family.description, argument_default=argparse.SUPPRESS,
                      allow_abbrev=False)
+    parser.family, parser.families = family, families
     for section, cls in family_sections(family).items():
         group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
         for f in dataclasses.fields(cls):
             meta = f.metadata
-            help_text = f"{meta['help']} (default: {field_default(f)})".replace("%", "%%")
             kind, element = _kind(f)
-            kwargs: dict[str, Any] = {"help": help_text}
+            kwargs: dict[str, Any] = {"help": _help(f, family)}
             if kind == "bool":
                 kwargs["action"] = "store_true"
             elif kind == "list":
@@ -291,7 +310,7 @@ def parse_args(argv: list[str], family: Any, families: Sequence[Any] = ()) -> tu
     """Parse a kohya command line of the script of ``family`` (a ``FamilySpec``) into a ``TrainConfig``; also return
     the explicitly given values. ``families``: every family's record, to name the script that has a TOML key this
     one lacks."""
-    explicit = vars(build_parser(family).parse_args(argv))
+    explicit = vars(build_parser(family, families).parse_args(argv))
     # With --output_config, --config_file names the file to write (sd-scripts' read_config_from_file): not read.
     reads = explicit.get("config_file") and not explicit.get("output_config")
     from_file, file, gui_fields = (_read_config(explicit["config_file"], family, families) if reads

@@ -35,6 +35,7 @@ from library.base.errors import UserError, did_you_mean
 from library.config import DataConfig
 from library.config.dataset_folders import add_mask_folders, folder_subsets
 from library.config.dataset_keys import CONTROLNET_FIXED, GENERAL_SCHEMA, KINDS, Problems, check_table, dataset_kind
+from library.config.resolution import resolution_note
 
 logger = logging.getLogger(__name__)
 
@@ -368,4 +369,6 @@ def load_dataset_specs(data: DataConfig, masked_loss: bool = False,
         raw = read_config_file(data.dataset_config)
         group = parse_config(raw, str(data.dataset_config), data, masked_loss, bucket_step)
     _check_mask_sources(group, masked_loss)
+    for note in filter(None, (resolution_note(spec, bucket_step) for spec in group.datasets)):
+        logger.warning(note)
     return group

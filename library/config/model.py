@@ -13,7 +13,8 @@ class ModelConfig:
     """Which Stable Diffusion checkpoint to train against, and how its text encoder is read."""
 
     pretrained_model_name_or_path: str | None = flag(
-        None, "SD checkpoint: a diffusers folder, a .safetensors/.ckpt single file, or builtin:tiny-sd15")
+        None, "the base model; what each script takes is its family's record (FamilySpec.model_help), which its "
+        "--help shows")
     v2: bool = flag(False, "the checkpoint is Stable Diffusion 2.x (OpenCLIP text encoder)")
     v_parameterization: bool = flag(False, "train with the v-prediction target (SD2 768-v models)")
     vae: str | None = flag(None, "replace the checkpoint's VAE with this one (folder or single file)")

@@ -20,11 +20,13 @@ from library.config.dataset import UNET_BUCKET_STEP, BucketStep, DatasetGroupSpe
 from library.data import latent_cache, text_cache
 from library.data.batches import BatchKey, BatchSource, EpochSampler, LatentStore, TextOutputStore
 from library.data.buckets import crop_ltrb
+from library.data.cache_progress import QUIET, CacheProgress
 from library.data.captions import CaptionState, process_caption
 from library.data.dataset_metadata import dataset_metadata
 from library.data.images import check_scanned_size, load_image, load_image_with_alpha
 from library.data.prepare import PreparedDataset, ScanLimits, prepare_datasets
 from library.data.transforms import bucket_placement, mask_tensor, place, to_tensor
+from library.data.worker_signals import ignore_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +107,8 @@ class TrainData:
             num_workers = min(self.data.max_data_loader_n_workers, os.cpu_count() or 1)
         return DataLoader(
             self.source, batch_size=None, sampler=self._share(EpochSampler(self.progress, len(self.source))),
-            num_workers=num_workers, persistent_workers=num_workers > 0,
-            pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-        )
+            num_workers=num_workers, persistent_workers=num_workers > 0, worker_init_fn=ignore_stop_signals,
+            pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
 
     def fixed_batches(self, count: int, step: int) -> Iterator[dict]:
         """The first ``count`` batches of epoch 1, each as update ``step`` of a ``step``-update run sees it (captions
@@ -165,7 +166,7 @@ class TrainData:
 
     def cache_latents(self, encode: Callable[[torch.Tensor], torch.Tensor], *, to_disk: bool, vae_id: str,
                       batch_size: int, files: latent_cache.LatentFiles, share: Callable[[int], bool] | None = None,
-                      wait: Callable[[], None] = lambda: None) -> None:
+                      wait: Callable[[], None] = lambda: None, progress: CacheProgress = QUIET) -> None:
         """Encode every image once (and its mirror image with flip_aug); keep the latents in RAM or in npz files
         (named and shaped as the model family's ``files``), with the alpha mask of subsets with ``alpha_mask``.
 
@@ -190,8 +191,8 @@ class TrainData:
         self.latent_files = files
         self.latents.channels = files.channels
         pending, reused = self._pending(to_disk, vae_id, share if sharded else None)
-        logger.info("caching latents: %d to encode, %d reused from disk%s", sum(len(v) for v in pending.values()),
-                    reused, " (this process's share)" if sharded else "")
+        progress.begin("latents", sum(len(v) for v in pending.values()), reused, sharded,
+                       encodes=sum(len(jobs) * (2 if flip else 1) for (_, flip, _), jobs in pending.items()))
         self._encode_pending(encode, pending, batch_size, to_disk)
         if sharded:
             wait()
@@ -203,7 +204,7 @@ class TrainData:
             self._encode_pending(encode, missing, batch_size, to_disk)
         if self.validation is not None:
             self.validation.cache_latents(encode, to_disk=to_disk, vae_id=vae_id, batch_size=batch_size, files=files,
-                                          share=share, wait=wait)
+                                          share=share, wait=wait, progress=progress)
 
     def _pending(self, to_disk: bool, vae_id: str,
                  share: Callable[[int], bool] | None) -> tuple[dict[tuple[tuple[int, int], bool, bool], list], int]:
@@ -279,7 +280,7 @@ class TrainData:
     def cache_text_encoder_outputs(self, encode: Callable[[list[str]], dict[str, torch.Tensor]], *, to_disk: bool,
                                    encoder_id: str, max_token_length: int | None, names: tuple[str, ...],
                                    batch_size: int, weighted: bool = False, share: Callable[[int], bool] | None = None,
-                                   wait: Callable[[], None] = lambda: None) -> None:
+                                   wait: Callable[[], None] = lambda: None, progress: CacheProgress = QUIET) -> None:
         """Encode every image's caption once (``--cache_text_encoder_outputs``); keep the outputs in RAM or in
         ``<image>`` + the family's ``text_cache_suffix`` (see ``text_cache``; still-valid files are reused without
         encoding). The validation images are cached alike (sd-scripts caches its validation dataset group too).
@@ -301,8 +302,7 @@ class TrainData:
         sharded = to_disk and share is not None
         key = (max_token_length, encoder_id, weighted)
         pending = self._text_pending(to_disk, key, share if sharded else None)
-        logger.info("caching text encoder outputs: %d to encode, %d reused from disk%s", len(pending),
-                    len(self.text_outputs.disk), " (this process's share)" if sharded else "")
+        progress.begin("text encoder outputs", len(pending), len(self.text_outputs.disk), sharded)
         self._encode_text(encode, pending, batch_size, to_disk)
         if sharded:
             wait()
@@ -316,7 +316,7 @@ class TrainData:
             self.validation.cache_text_encoder_outputs(encode, to_disk=to_disk, encoder_id=encoder_id,
                                                        max_token_length=max_token_length, names=names,
                                                        batch_size=batch_size, weighted=weighted, share=share,
-                                                       wait=wait)
+                                                       wait=wait, progress=progress)
 
     def _text_pending(self, to_disk: bool, key: tuple[int | None, str, bool],
                       share: Callable[[int], bool] | None) -> list[tuple[int, int, str, str]]:

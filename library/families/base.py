@@ -32,12 +32,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelIds:
-    """How a LoRA file names its base model: ``ss_base_model_version``, ``modelspec.architecture`` and
-    ``modelspec.implementation`` (sd-scripts' ``train_network.py`` and ``sai_model_spec.build_metadata``)."""
+    """How a LoRA file names its base model: ``ss_base_model_version``, ``modelspec.architecture``,
+    ``modelspec.implementation`` and ``modelspec.prediction_type`` (sd-scripts' ``train_network.py`` and
+    ``sai_model_spec.build_metadata``)."""
 
     base_model_version: str
     architecture: str
     implementation: str
+    prediction_type: str | None  # "epsilon" or "v"; None: the entry is not written (upstream's FLUX.1)
 
 
 class ModelFamily(ABC):
@@ -76,6 +78,28 @@ class ModelFamily(ABC):
         """``--gradient_checkpointing`` for one text encoder: transformers' switch (CLIP and T5 are transformers
         models in every family here); a family with encoders of its own overrides it."""
         text_encoder.gradient_checkpointing_enable()
+
+    def upstream_draws_before_latents(self, cfg: ModelConfig, model: Any) -> int:
+        """How many numbers upstream's loading of this model draws from torch's global CPU generator between its
+        ``set_seed`` and its latent cache, so that a seeded run on the CPU caches upstream's latents
+        (``library/data/encode_caches.latent_generator``); none here: upstream builds the parts on the meta device
+        (``init_empty_weights``) or loads them with ``from_pretrained``."""
+        return 0
+
+    def fp8_text_encoders(self, model: Any, cached_outputs: bool) -> list[torch.nn.Module]:
+        """``--fp8_base``: the text encoders whose weights are stored in fp8 (``cached_outputs``: the run trains from
+        cached text encoder outputs). Upstream ``train_network.py`` casts to fp8 only the encoders still on the
+        device after ``cache_text_encoder_outputs_if_needed``, which encodes the captions with them in the mixed
+        dtype and then moves them to the CPU: all of them without caching, none with it (caching trains the
+        denoiser only, so they never run in training)."""
+        return [] if cached_outputs else self.text_encoders(model)
+
+    def place_text_encoder(self, text_encoder: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                           fp8_next: bool) -> None:
+        """Move a loaded text encoder to ``device`` in the frozen ``dtype`` (``fp8_next``: ``fp8_text_encoders``
+        stores it in fp8 next), as upstream ``cache_text_encoder_outputs_if_needed`` moves it before any fp8
+        cast."""
+        text_encoder.to(device, dtype)
 
     def store_fp8(self, part: torch.nn.Module, denoiser: bool, dtype: torch.dtype) -> int:
         """``--fp8_base``: store a frozen part's Linear and Conv weights in fp8 computed in ``dtype``

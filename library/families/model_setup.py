@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +36,10 @@ def load_model(cfg: ModelConfig, precision: PrecisionConfig, policy: PrecisionPo
         part.requires_grad_(False)
         part.eval()
     model.unet.to(family.denoiser_device(section, device), policy.frozen_dtype)
+    fp8_next = fp8_text_encoders(model, policy, family, section)
     for text_encoder in text_encoders:
-        text_encoder.to(device, policy.frozen_dtype)
+        family.place_text_encoder(text_encoder, device, policy.frozen_dtype,
+                                  fp8_next=any(text_encoder is chosen for chosen in fp8_next))
     model.vae.to(device, policy.vae_dtype)
     family.prepare_denoiser(model, precision, device)
     if precision.gradient_checkpointing:
@@ -106,23 +110,64 @@ def offloaded_checkpoint(module: torch.nn.Module, *args):
         return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
 
 
-def store_frozen_fp8(model: Any, policy: PrecisionPolicy, family: ModelFamily) -> None:
+def fp8_text_encoders(model: Any, policy: PrecisionPolicy, family: ModelFamily, section: Any) -> list[torch.nn.Module]:
+    """The text encoders ``--fp8_base`` stores in fp8 (``ModelFamily.fp8_text_encoders``): none with
+    ``--fp8_base_unet`` or without fp8; otherwise as the family decides for a run that does or does not cache
+    their outputs (``section``: the family's flag section)."""
+    if not policy.text_encoder_fp8:
+        return []
+    cached, _ = family.text_output_cache(section)
+    return family.fp8_text_encoders(model, cached)
+
+
+def store_frozen_fp8(model: Any, policy: PrecisionPolicy, family: ModelFamily, denoiser_name: str,
+                     section: Any = None) -> PrecisionPolicy:
     """``--fp8_base`` / ``--fp8_base_unet`` (after ``--base_weights`` are merged, before the LoRA is attached), each
-    part as its family stores it (``ModelFamily.store_fp8``)."""
-    parts = [("UNet", model.unet, True)] if policy.unet_fp8 else []
-    if policy.text_encoder_fp8:
-        encoders = family.text_encoders(model)
-        parts += [(f"text encoder {i + 1}" if len(encoders) > 1 else "text encoder", te, False)
-                  for i, te in enumerate(encoders)]
+    part as its family stores it (``ModelFamily.store_fp8``), the text encoders ``fp8_text_encoders``' only; the
+    log names the denoiser ``denoiser_name``. Returns the policy as applied (no text encoder in fp8 where none is)."""
+    parts = [(denoiser_name, model.unet, True)] if policy.unet_fp8 else []
+    encoders, chosen = family.text_encoders(model), fp8_text_encoders(model, policy, family, section)
+    parts += [(f"text encoder {i + 1}" if len(encoders) > 1 else "text encoder", te, False)
+              for i, te in enumerate(encoders) if any(te is c for c in chosen)]
+    if policy.text_encoder_fp8 and len(chosen) < len(encoders):
+        log.info("--fp8_base: %d of %d text encoders stay in %s: their outputs are cached with them, and like "
+                 "sd-scripts only text encoders that run after caching are stored in fp8",
+                 len(encoders) - len(chosen), len(encoders), str(policy.frozen_dtype).removeprefix("torch."))
     for name, part, denoiser in parts:
         layers = family.store_fp8(part, denoiser, policy.frozen_dtype)
         stored, total = fp8_bytes(part)
         log.info("%s: %d layers store their weights in float8_e4m3fn (%.0f MiB in fp8, %.0f MiB of parameters "
                  "in all)", name, layers, stored / 2**20, total / 2**20)
+    return replace(policy, text_encoder_fp8=bool(chosen))
 
 
-def compile_unet(model: Any, precision: PrecisionConfig) -> None:
-    """``--torch_compile``: compile the UNet for the training forward; a failure to compile raises at the first step.
+@dataclass
+class CompileClock:
+    """How long ``--torch_compile``'s compilation takes: dynamo compiles at the compiled denoiser's first call (a
+    forward pre-hook, ``start``, says so in the log just before), and its backward at the first backward; the first
+    update of the run, read by the loop (``first_update_done``), ends the measured stretch. Nothing is timed after it.
+    """
+
+    denoiser_name: str
+    backend: str
+    started: float | None = None
+
+    def start(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.started is None:
+            log.info("--torch_compile: compiling the %s (--dynamo_backend %s) at its first call; the first steps take "
+                     "longer", self.denoiser_name, self.backend)
+            self.started = time.perf_counter()
+
+    def first_update_done(self) -> None:
+        if self.started is not None:
+            log.info("--torch_compile: the first step took %.1f s, compiling the %s included", time.perf_counter() -
+                     self.started, self.denoiser_name)
+
+
+def compile_unet(model: Any, precision: PrecisionConfig, denoiser_name: str) -> CompileClock | None:
+    """``--torch_compile``: compile the denoiser (named ``denoiser_name`` in the log) for the training forward; a
+    failure to compile raises at the first step. Returns the clock of the compilation (``CompileClock``; None when
+    nothing is compiled).
 
     One graph serves every bucket: the latents' height and width are marked dynamic at each call
     (``mark_bucket_dims``), where dynamo would compile the first shape static and recompile at the second. The batch
@@ -131,12 +176,16 @@ def compile_unet(model: Any, precision: PrecisionConfig) -> None:
     Past dynamo's recompile limit a function silently runs eager; ``RecompileLimitWarning`` says so once.
     """
     if precision.torch_compile and precision.dynamo_backend == "no":
-        log.info("--torch_compile with --dynamo_backend no: the UNet is not compiled (as in sd-scripts)")
+        log.info("--torch_compile with --dynamo_backend no: the %s is not compiled (as in sd-scripts)", denoiser_name)
     elif precision.torch_compile:
         compiled = torch.compile(model.unet, backend=precision.dynamo_backend)
+        clock = CompileClock(denoiser_name, precision.dynamo_backend)
+        compiled.register_forward_pre_hook(clock.start, with_kwargs=True)
         compiled.register_forward_pre_hook(mark_bucket_dims, with_kwargs=True)
-        watch_recompile_limit()
+        watch_recompile_limit().denoiser_name = denoiser_name
         model.unet = compiled
+        return clock
+    return None
 
 
 def mark_bucket_dims(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -159,6 +208,7 @@ class RecompileLimitWarning(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.warned = False
+        self.denoiser_name = "model"  # the compiled denoiser's name in the warning, set by ``compile_unet``
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
@@ -166,9 +216,9 @@ class RecompileLimitWarning(logging.Handler):
             return
         self.warned = True
         limit = message.splitlines()[0].removeprefix("torch._dynamo hit ")
-        log.warning("--torch_compile: dynamo hit torch._dynamo.%s, so the UNet (or a part of it) runs uncompiled "
+        log.warning("--torch_compile: dynamo hit torch._dynamo.%s, so the %s (or a part of it) runs uncompiled "
                     "from now on; run with TORCH_LOGS=recompiles to see what changes between steps, raise that "
-                    "limit, or train without --torch_compile", limit)
+                    "limit, or train without --torch_compile", limit, self.denoiser_name)
 
 
 def watch_recompile_limit() -> RecompileLimitWarning:

@@ -44,6 +44,10 @@ class FamilySpec:
     script: str  # its LoRA entry script, upstream's name: ``train_network.py``, ``flux_train_network.py``
     description: str  # the first line of the script's ``--help``
     trains: str  # what a configuration error says the script trains: "SDXL LoRAs"
+    # what ``--pretrained_model_name_or_path`` takes, its built-in tiny model included: the flag's ``--help`` and the
+    # error when it is missing
+    model_help: str
+    denoiser_name: str  # how log lines name the model that predicts the noise: "UNet", "transformer"
     load: Callable[[], Any]  # the behaviour object (``ModelFamily``); imports torch
     latent_suffix: str  # latent cache files ``<image>_<W>x<H><suffix>.npz``, its own as upstream keeps them apart
     section_name: str | None = None  # the ``--help`` group and snapshot name of its own flags

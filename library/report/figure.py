@@ -150,7 +150,8 @@ def _ranges(numbers: list[int]) -> str:
 
 
 def headline(run: RunLog) -> str:
-    """The figure's title: run name, resumes, steps, last loss and validation loss."""
+    """The figure's title: run name, resumes, steps, the loss (the last moving average, else the last step's; each
+    labelled as what it is) and validation loss."""
     import math
 
     parts = [f"run {run.name}"]
@@ -162,9 +163,10 @@ def headline(run: RunLog) -> str:
     current = run.scalars.get("loss/current")
     if current is not None and current.steps:
         parts.append(f"{current.steps[-1]} step" + ("s" if current.steps[-1] != 1 else ""))
-        last = (run.scalars.get("loss/average") or current).values[-1]
+        average = run.scalars.get("loss/average")  # sd-scripts' moving average over an epoch's steps
+        last = (average or current).values[-1]
         if math.isfinite(last):
-            parts.append(f"loss {last:.4f}")
+            parts.append(f"{'avg loss (moving average)' if average else 'loss (last step)'} {last:.4f}")
     for tag in ("loss/validation/epoch_average", "loss/validation/step_average"):
         if tag in run.scalars:
             parts.append(f"validation loss {run.scalars[tag].values[-1]:.4f}")

@@ -11,16 +11,20 @@ links (``library/base/files.open_no_follow``): a symbolic link at its name, or a
 refused (exit 2) instead of having what it points to emptied; a device or named pipe is written as before.
 
 Only the handler installed here is replaced when logging is set up again; other handlers on the root logger (a test
-harness's, an embedding program's) are left alone.
+harness's, an embedding program's) are left alone. A few warnings of diffusers and transformers that this project has
+checked to be harmless are hidden, each by its logger and its whole message (``KNOWN_HARMLESS``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 import sys
 from pathlib import Path
+
+from tqdm import tqdm
 
 from library.base.errors import UserError
 from library.base.files import UnsafePath, open_no_follow
@@ -31,7 +35,9 @@ SIMPLE = "%(message)s"
 
 
 class _ConsoleHandler(logging.StreamHandler):
-    """A stream handler that writes to whatever ``sys.stderr`` / ``sys.stdout`` is at the time of each record."""
+    """A stream handler that writes to whatever ``sys.stderr`` / ``sys.stdout`` is at the time of each record, through
+    tqdm: a progress bar on the console (the loop's, the caches') is cleared for the line and drawn again below it, as
+    tqdm's ``logging_redirect_tqdm`` handler does, instead of the line being glued to the bar's."""
 
     def __init__(self, stream_name: str) -> None:
         self._stream_name = stream_name
@@ -44,6 +50,15 @@ class _ConsoleHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, value) -> None:
         del value  # the stream is looked up per record
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except RecursionError:
+            raise
+        except Exception:  # noqa: BLE001 (logging's own policy: report the failed record, go on)
+            self.handleError(record)
 
 
 _installed: logging.Handler | None = None
@@ -66,9 +81,50 @@ def _file_handler(path: str) -> logging.FileHandler:
     return handler
 
 
+# Warnings of other libraries that this project has checked and found harmless for its runs: (logger, the whole
+# message as a regular expression, why it is harmless). Only a record of that logger whose message matches in full
+# is hidden; any other message of the same logger, and every other library's, still shows.
+KNOWN_HARMLESS = (
+    # diffusers 0.42 ModelMixin.to(dtype) says this at every dtype cast, also when the list of modules to keep in
+    # float32 is empty: then no module asks for float32 and the cast keeps nothing it warns about. A non-empty list
+    # still shows.
+    ("diffusers.models.modeling_utils",
+     r"There are modules in \w+ that should be kept in float32: \[\]\. Casting directly with `to\(\)` can lead to "
+     r"inconsistent results; set `torch_dtype` in `from_pretrained\(\)` instead to keep these modules in float32\."),
+    # transformers 5 says this when diffusers' pipeline modules are imported without torchvision: the image
+    # processors of the safety checker (CLIP) and of image prompts (SigLIP) fall back to PIL. The trainer's pipelines
+    # are built without a feature extractor or image encoder, so neither processor ever runs.
+    ("transformers.utils.import_utils",
+     r"`(CLIP|Siglip)ImageProcessor` requires torchvision \(not installed\); falling back to `\1ImageProcessorPil` "
+     r"for backward compatibility\. Install torchvision to use the default backend, or import `\1ImageProcessorPil` "
+     r"directly to silence this warning\."),
+)
+
+
+class _KnownHarmless(logging.Filter):
+    """Drops the records of one library logger whose message matches a ``KNOWN_HARMLESS`` pattern in full."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.pattern.fullmatch(record.getMessage()) is None
+
+
+def hide_known_harmless() -> None:
+    """Put the ``KNOWN_HARMLESS`` filters on their loggers (once per process)."""
+    for name, pattern in KNOWN_HARMLESS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _KnownHarmless) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_KnownHarmless(pattern))
+
+
 def setup_logging(cfg: LogConfig | None = None) -> None:
-    """Install (or replace) the trainer's log handler on the root logger and set the root level."""
+    """Install (or replace) the trainer's log handler on the root logger and set the root level; hide the other
+    libraries' warnings listed in ``KNOWN_HARMLESS``."""
     global _installed
+    hide_known_harmless()
     cfg = cfg or LogConfig()
     if cfg.console_log_file:
         handler: logging.Handler = _file_handler(cfg.console_log_file)

@@ -103,12 +103,24 @@ def exit_code(exc: BaseException) -> int:
     return code if isinstance(code, int) and code > 0 else CRASHED
 
 
-def report_lines(code: int, rank: int, messages: Sequence[str]) -> list[str]:
-    """What the main process prints when process ``rank`` stopped the run with ``code`` (once for all processes)."""
+def saved_so_far(checkpoint: Path | None, earlier: Path | None) -> str:
+    """What a stopped run leaves: ``checkpoint``, the newest LoRA file it saved (each is written atomically, so a
+    save cut short leaves it intact), or that it saved nothing, naming ``earlier``, a file from before the run at the
+    final LoRA's name, if there is one (as the divergence message: ``library/runtime/run.py`` ``_last_good``)."""
+    if checkpoint is not None:
+        return f"the last saved checkpoint, {checkpoint}, is intact"
+    before = f"; {earlier} from before this run is left as it was" if earlier is not None else ""
+    return f"nothing was saved by this run{before}"
+
+
+def report_lines(code: int, rank: int, messages: Sequence[str], checkpoint: Path | None = None,
+                 earlier: Path | None = None) -> list[str]:
+    """What the main process prints when process ``rank`` stopped the run with ``code`` (once for all processes);
+    an interruption names what the run saved (``saved_so_far``)."""
     where = "" if rank == 0 else f"process {rank}: "
     if code == INTERRUPTED:
         by = "" if rank == 0 else f" (process {rank})"
-        return [f"interrupted{by}: the last saved checkpoint is intact"]
+        return [f"interrupted{by}: {saved_so_far(checkpoint, earlier)}"]
     if code == CRASHED:
         return [f"error: {where}{message}" for message in messages] + (
             [f"error: process {rank} failed; its traceback is in its own output"] if rank else [])

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from library.base.errors import Stopped, TrainingDiverged, UserError
+from library.base.errors import Stopped, TrainingDiverged, UserError, WriteFailed
 from library.config.distributed import DistributedConfig
 from library.runtime.process_info import (
     CRASHED,
@@ -96,6 +96,9 @@ class Processes(SaveGate):
     A process that is gone (killed, out of memory, its machine lost) cannot report anything: the collective that
     waits for it fails in the backend (gloo: ``RuntimeError: ... Connection closed by peer``), and every process that
     meets that failure leaves with ``Stopped(PEER_LOST)``, whose one line names the last checkpoint (``checkpoint``).
+    An interruption (Ctrl-C, SIGTERM) leaves with ``Stopped(INTERRUPTED)``, a single process too, its one line naming
+    what the run saved (``process_info.saved_so_far``). A file the main process cannot write (``WriteFailed``, exit 2)
+    has its message completed with where the last good LoRA is, and stops every process as any ``UserError`` does.
     """
 
     info: ProcessInfo = field(default_factory=ProcessInfo)
@@ -108,6 +111,7 @@ class Processes(SaveGate):
     _failures: dict[int, list[str]] = field(default_factory=dict)  # messages of the processes that failed
     rank_rngs: list[Any] = field(default_factory=list)  # the other processes' random states, at the last save
     checkpoint: Callable[[], Path | None] = lambda: None  # the newest LoRA file the run saved (set by run.py)
+    earlier: Callable[[], Path | None] = lambda: None  # a file from before the run at the final LoRA's name (run.py)
 
     @property
     def rank(self) -> int:
@@ -128,11 +132,18 @@ class Processes(SaveGate):
     # --- the run as a context ---------------------------------------------------------------------------------
 
     def __enter__(self) -> Processes:
+        self._signals.install(at_once=not self.distributed)  # a second signal ends a single process at once
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
+        exc = self._signals.as_stop(exc)  # a DataLoader worker that died of the stop signal is the stop
+        if isinstance(exc, WriteFailed):
+            exc.add_saved(self.checkpoint(), self.earlier())
         if exc is not None and self._broken is not None:
             raise self._lost() from None
+        if isinstance(exc, KeyboardInterrupt) and not self.distributed:
+            self._close(failed=True)
+            raise Stopped(INTERRUPTED, report_lines(INTERRUPTED, 0, [], self.checkpoint(), self.earlier())) from None
         if exc is None or not self.distributed or isinstance(exc, Stopped) or self._stopping:
             self._close(failed=exc is not None)
             return False
@@ -217,7 +228,8 @@ class Processes(SaveGate):
     def _stopped(self, codes: list[int]) -> Stopped:
         """The stop of this process: its own code if it failed, else that of the first process that did."""
         first = next(r for r, c in enumerate(codes) if c)
-        lines = report_lines(codes[first], first, self._failures[first]) if self.is_main else []
+        lines = report_lines(codes[first], first, self._failures[first], self.checkpoint(),
+                             self.earlier()) if self.is_main else []
         return Stopped(codes[self.rank] or codes[first], lines)
 
     @contextmanager
@@ -236,6 +248,24 @@ class Processes(SaveGate):
         if self.distributed:
             with self._sync_point():
                 pass
+
+    def caching_step(self) -> None:
+        """Before each batch a cache encodes (``library/data/cache_progress.py``): a sync point, so that a stop on
+        any process (an interruption, an error) stops every process at its next batch. Processes encode different
+        numbers of batches (their shares, the disk caches they reuse): those done wait in ``caching_done``."""
+        if self.distributed:
+            with self._sync_point(summed=[0]):
+                pass
+
+    def caching_done(self) -> None:
+        """The barrier after a process's share of a cache: sync points, each met by another process's
+        ``caching_step`` or ``caching_done``, until every process has come here."""
+        if not self.distributed:
+            return
+        while True:
+            with self._sync_point(summed=[1]) as outcome:
+                if outcome.summed[0] == self.world_size:
+                    return
 
     # --- the run's decisions ----------------------------------------------------------------------------------
 
@@ -303,8 +333,7 @@ class Processes(SaveGate):
 
 
 def start(cfg: DistributedConfig, env: dict[str, str] | None = None) -> Processes:
-    """Join the run's processes (or, in a single process, return one that does nothing).
-
+    """Join the run's processes (a single process joins none; entering either installs the stop signals' handlers).
     A process group that already exists (a caller made one) is used as it is and left open at the end."""
     info = ProcessInfo.from_env(env)
     if not info.distributed:
@@ -332,7 +361,6 @@ def start(cfg: DistributedConfig, env: dict[str, str] | None = None) -> Processe
         processes._control = dist.new_group(backend="gloo", timeout=timeout)
         processes._owned.insert(0, processes._control)
     _log_per_rank(info)
-    processes._signals.install()
     if info.is_main:
         log.info("%d processes on %d machine(s), %s backend; this is the main process on %s", info.world_size,
                  math.ceil(info.world_size / info.local_world_size), dist.get_backend(), device)

@@ -28,6 +28,7 @@ from library.base.errors import TrainingDiverged
 from library.base.fs_checks import check_folder, ensure_room_for_save
 from library.config import LogConfig, SaveConfig, TrainConfig, public_snapshot, validate
 from library.data import encode_caches
+from library.data.cache_progress import CacheProgress
 from library.data.dataset import TrainData, build_train_data
 from library.data.debug import show_batches
 from library.data.latent_cache import LatentFiles
@@ -102,6 +103,7 @@ class Models:
     model: Any
     network: torch.nn.Module
     train_text_encoder: bool
+    compile_clock: model_setup.CompileClock | None = None  # --torch_compile
 
 
 @dataclass
@@ -137,13 +139,14 @@ class Trainer:
     accumulation: Any
     last: Path  # the final LoRA file
     show_progress: bool
+    after_first_update: Callable[[], None] | None = None  # --torch_compile's report of the compilation's time
 
     def train(self) -> LoopResult:
         try:
             return train_loop(data=self.data, batch_loss=self.batch_loss, updater=self.updater, plan=self.plan,
                               saves=self.saves, samples=self.samples, tracker=self.tracker, lr_values=self.lr_values,
                               on_epoch_start=self.on_epoch_start, start=self.start, validation=self.validation,
-                              show_progress=self.show_progress)
+                              show_progress=self.show_progress, after_first_update=self.after_first_update)
         except TrainingDiverged as exc:
             raise TrainingDiverged(f"{exc}; {_last_good(self.saver, self.last, exc.weights_intact)}",
                                    weights_intact=exc.weights_intact) from None
@@ -180,6 +183,8 @@ def run(cfg: TrainConfig) -> RunResult | None:
         if ready is None:
             return None
         names = ready.names  # the output folder is taken before anything heavy loads; only the main process writes
+        final = Saver(Path(cfg.save.output_dir), cfg.save.save_model_as, None).lora_path(names.last)
+        processes.earlier = (lambda: final) if final.is_file() else (lambda: None)  # named if interrupted
         subfolders = (SAMPLE_FOLDER,) if ready.samples else ()  # written into: a link there is refused first
         with open_output(cfg.save.output_dir, names, subfolders) if processes.is_main else nullcontext():
             processes.sync()
@@ -212,7 +217,7 @@ def _prepare(cfg: TrainConfig, processes: process_group.Processes) -> Prepared |
                        optimizer=optimizer_label(choice.spec.name if choice.spec else choice.name, choice.options),
                        network_module=cfg.network.network_module, num_processes=processes.world_size)
     if saved is not None:
-        check_trajectory(saved, route)
+        check_trajectory(saved, route, public_snapshot(cfg)["network"], cfg.family.denoiser_name)
     if cfg.log.logging_dir and processes.is_main:
         check_folder("--logging_dir", cfg.log.logging_dir)
     network_setup.check_network_weights(cfg.network)  # a bad file is named before the model loads
@@ -270,25 +275,31 @@ def _models(cfg: TrainConfig, ready: Prepared, processes: process_group.Processe
     section = cfg.family_config
     model = model_setup.load_model(cfg.model, cfg.precision, policy, device, family=family, section=section)
     network_setup.merge_base_weights(cfg.model, cfg.network.network_module, model, policy, family=family)
-    model_setup.store_frozen_fp8(model, policy, family=family)
+    policy = model_setup.store_frozen_fp8(model, policy, family=family, denoiser_name=cfg.family.denoiser_name,
+                                          section=section)
     family.place_denoiser(model, section, device)
     network, train_te = network_setup.build_network(cfg.network, model, policy, device, family=family)
     processes.broadcast_from_main(list(network.state_dict().values()))  # one initialisation for all
     if processes.is_main:
         ensure_room_for_save(cfg.save.output_dir, network, save_dtype(cfg.save), cfg.save.save_state, "the LoRA")
+    caching = CacheProgress(show=processes.is_main, step=processes.caching_step)  # a bar; stops keep step
     if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
         files = LatentFiles(cfg.family.latent_suffix, cfg.family.latent_channels)
+        generator = encode_caches.latent_generator(ready.seed, device,
+                                                   family.upstream_draws_before_latents(cfg.model, model))
         encode_caches.cache_latents(data, model, policy, device, cfg.data, files, highvram=cfg.model.highvram,
-                                    share=processes.owns_item, wait=processes.sync)
+                                    share=processes.owns_item, wait=processes.caching_done, progress=caching,
+                                    generator=generator)
     caches_text, to_disk = family.text_output_cache(section)
     if caches_text:
         encode_caches.cache_text_encoder_outputs(
             data, model, family, policy, device, to_disk,
             max_token_length=cfg.model.max_token_length, batch_size=cfg.data.train_batch_size,
             suffix=cfg.family.text_cache_suffix, weighted=cfg.model.weighted_captions, share=processes.owns_item,
-            wait=processes.sync)
-    model_setup.compile_unet(model, cfg.precision)
-    return Models(device=device, policy=policy, model=model, network=network, train_text_encoder=train_te)
+            wait=processes.caching_done, progress=caching)
+    clock = model_setup.compile_unet(model, cfg.precision, cfg.family.denoiser_name)
+    return Models(device=device, policy=policy, model=model, network=network, train_text_encoder=train_te,
+                  compile_clock=clock)
 
 
 def _optimization(cfg: TrainConfig, ready: Prepared, models: Models, processes: process_group.Processes
@@ -301,7 +312,8 @@ def _optimization(cfg: TrainConfig, ready: Prepared, models: Models, processes: 
     for warning in optimizer_setup.optimizer_warnings(choice, groups, cfg.schedule, cfg.precision.full_bf16,
                                                       ready.plan):
         log.warning(warning)
-    log.info(models.policy.describe(optimizer_setup.optimizer_state_label(choice, models.policy)))
+    log.info(models.policy.describe(optimizer_setup.optimizer_state_label(choice, models.policy),
+                                   cfg.family.denoiser_name))
     accumulation = build_accumulation(network, steps=cfg.schedule.gradient_accumulation_steps,
                                       network_dtype=models.policy.network_dtype,
                                       mode=cfg.precision.full_bf16_grad_accumulation,
@@ -328,8 +340,8 @@ def _optimization(cfg: TrainConfig, ready: Prepared, models: Models, processes: 
         accumulation_steps=ready.plan.gradient_accumulation_steps, max_grad_norm=cfg.optimizer.max_grad_norm,
         max_nan_steps=cfg.precision.max_nan_steps, loss_scale=loss_scale,
         max_norm=(network, cfg.network.scale_weight_norms) if cfg.network.scale_weight_norms else None,
-        fused=cfg.optimizer.fused_backward_pass, reduce=reducer.reduce, scheduler_ticks=ready.plan.num_processes,
-        readout=Readout(), updates=ready.start.step)
+        norm_update=getattr(network, "norm_update", None), fused=cfg.optimizer.fused_backward_pass,
+        reduce=reducer.reduce, scheduler_ticks=ready.plan.num_processes, readout=Readout(), updates=ready.start.step)
     return Optimization(optimizer=optimizer, scheduler=scheduler, updater=updater, accumulation=accumulation,
                         lr_values=optimizer_setup.lr_reporter(optimizer, descriptions, choice),
                         noise_generator=noise_generator, host_generator=host_generator, state=state)
@@ -371,4 +383,5 @@ def _trainer(cfg: TrainConfig, ready: Prepared, models: Models, optimization: Op
         saver=saver, saves=saves, samples=samples, validation=validation, tracker=tracker,
         lr_values=optimization.lr_values, accumulation=optimization.accumulation,
         on_epoch_start=lambda epoch: network.on_epoch_start(family.network_text_encoder(model), model.unet),
-        last=saver.lora_path(ready.names.last), show_progress=processes.is_main)
+        last=saver.lora_path(ready.names.last), show_progress=processes.is_main,
+        after_first_update=models.compile_clock.first_update_done if models.compile_clock else None)

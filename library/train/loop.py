@@ -23,7 +23,8 @@ import torch
 from tqdm import tqdm
 
 from library.base.errors import TrainingDiverged
-from library.train.cadence import Cadence, run_due, training_cadence
+from library.data.worker_signals import starting_workers
+from library.train.cadence import Cadence, Hook, run_due, training_cadence
 from library.train.position import Position, SampleHooks, SaveHooks
 from library.train.reports import StepReports
 from library.train.steps import StepPlan
@@ -46,11 +47,14 @@ class LoopResult:
 def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Updater, plan: StepPlan,
                saves: SaveHooks, samples: SampleHooks, tracker: Tracker, lr_values: Callable[[], dict[str, float]],
                on_epoch_start: Callable[[int], None], start: Position,
-               validation: Validation | None = None, show_progress: bool = True) -> LoopResult:
+               validation: Validation | None = None, show_progress: bool = True,
+               after_first_update: Callable[[], None] | None = None) -> LoopResult:
     """Train from ``start`` until ``plan.max_train_steps`` updates; returns where it ended.
 
     The first epoch begins at ``start.batch`` (the batches before it are not loaded); a later epoch at its first
-    batch. ``show_progress``: the progress bar (only the main process of a multi-process run shows one)."""
+    batch. ``show_progress``: the progress bar (only the main process of a multi-process run shows one).
+    ``after_first_update``: called once, when the first update of this run is read (``--torch_compile`` reports the
+    compilation's time there), the one extra wait for the device it adds."""
     pos = Position(start.epoch, start.step, start.batch)
     loader = data.dataloader()
     if samples.at_first:
@@ -60,6 +64,9 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
     reports = StepReports(updater, tracker, progress, LossAverage(len(loader)), lr_values, validation,
                           plan.num_epochs)
     hooks = training_cadence(saves, samples, plan.num_epochs)
+    if after_first_update is not None:
+        first = start.step + 1
+        hooks.after_update.insert(0, Hook(lambda pos, _: pos.step == first, lambda pos, _: after_first_update()))
     began = time.perf_counter()
     try:
         while pos.epoch < plan.num_epochs and pos.step < plan.max_train_steps:
@@ -114,8 +121,8 @@ def _iterate(loader) -> Iterator[dict]:
     Creating a DataLoader iterator draws a worker base seed from the global generator. Our batches do not use it
     (every random choice of a batch is keyed by seed, epoch and position), but the network's dropouts draw from that
     generator (``networks/lora_modules.py`` says why), so that draw, made at a resumed epoch's start, would shift
-    every mask after a resume mid-epoch.
+    every mask after a resume mid-epoch. The workers start with stop signals held (``starting_workers``).
     """
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), starting_workers():
         iterator = iter(loader)
     yield from iterator

@@ -12,6 +12,7 @@ call first: ``library/train/cadence.py``) and at the end of the run.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,11 @@ from library.train.position import Position
 from library.train.tracking import LossAverage, Tracker, progress_fields
 from library.train.update import Updater, UpdateResult
 from library.train.validation import Validation
+
+log = logging.getLogger(__name__)
+
+# upstream train_network.py generate_step_logs' names of the LoRA-GGPO norms (``networks.ggpo.GGPO.update``'s order)
+NORM_NAMES = ("norm/avg_key_norm", "max_norm/max_key_norm", "norm/avg_grad_norm", "norm/avg_combined_norm")
 
 
 @dataclass
@@ -68,7 +74,11 @@ class StepReports:
 
     def _report(self, result: UpdateResult, pos: Position) -> None:
         self.last_loss = result.loss
-        self.average.add(result.loss)
+        if result.applied:
+            self.average.add(result.loss)
+        else:  # sd-scripts averages it in, and a NaN loss keeps both averages NaN for the rest of the epoch
+            log.warning("update %d was skipped as non-finite (loss %s): its loss is left out of loss/average and "
+                        "loss/epoch_average", pos.step, result.loss)
         lrs = self.lr_values()
         scalars = {"loss/current": result.loss, "loss/average": self.average.moving_average,
                    "grad_norm": result.grad_norm, **lrs}
@@ -76,14 +86,18 @@ class StepReports:
             scalars.update(self.validation.at_step(pos, self.average.moving_average))
         self.progress.set_postfix(progress_fields(
             pos.epoch + 1, self.num_epochs, self.average.moving_average, lrs,
-            self.validation.last_loss if self.validation is not None else None))
+            self.validation.last_loss if self.validation is not None else None, len(self.average.window)))
         self._log_max_norm()
         self.tracker.log(scalars, pos.step)
 
     def _log_max_norm(self) -> None:
-        """The ``--scale_weight_norms`` statistics read since the last call, each at the step of its update (they
-        are read one update late: see ``library/train/update/deferred.py``)."""
+        """The ``--scale_weight_norms`` statistics and LoRA-GGPO's norms read since the last call, each at the step
+        of its update (they are read one update late: see ``library/train/update/deferred.py``)."""
         for step, (keys, mean, maximum) in self.updater.max_norm_log:
             self.tracker.log({"max_norm/keys_scaled": keys, "max_norm/average_key_norm": mean,
                               "max_norm/max_key_norm": maximum}, step)
         self.updater.max_norm_log.clear()
+        for step, numbers in self.updater.norm_log:  # LoRA-GGPO's norms, under upstream's names
+            named = dict(zip(NORM_NAMES, numbers, strict=True))
+            self.tracker.log({name: value for name, value in named.items() if math.isfinite(value)}, step)
+        self.updater.norm_log.clear()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -36,7 +37,9 @@ log = logging.getLogger(__name__)
 
 
 class LossAverage:
-    """sd-scripts' ``LossRecorder``: a moving average over one epoch's steps, plus the epoch mean."""
+    """sd-scripts' ``LossRecorder``: a moving average over one epoch's steps, plus the epoch mean (NaN for an epoch
+    without a loss in it). The loop adds the losses of applied updates only (``StepReports``): sd-scripts adds a
+    skipped update's NaN too, which turns both averages NaN for the rest of the epoch."""
 
     def __init__(self, window: int) -> None:
         self.window: deque[float] = deque(maxlen=max(1, window))
@@ -53,7 +56,7 @@ class LossAverage:
         return sum(self.window) / len(self.window) if self.window else float("nan")
 
     def end_epoch(self) -> float:
-        mean = self.epoch_total / max(1, self.epoch_count)
+        mean = self.epoch_total / self.epoch_count if self.epoch_count else math.nan
         self.epoch_total, self.epoch_count = 0.0, 0
         return mean
 
@@ -175,13 +178,15 @@ def validation_scalars(when: str, loss: float, train_average: float) -> dict[str
 
 
 def progress_fields(epoch: int, num_epochs: int, loss: float, lrs: dict[str, float],
-                    validation_loss: float | None) -> dict[str, str]:
-    """The progress bar's postfix: epoch, moving-average loss, learning rate (the step size d*lr of a
-    learning-rate-free optimizer, else the first group's) and the last validation loss once there is one."""
-    fields = {"epoch": f"{epoch}/{num_epochs}", "loss": f"{loss:.4f}"}
+                    validation_loss: float | None, averaged: int = 1) -> dict[str, str]:
+    """The progress bar's postfix: epoch, the loss as the moving average over the last ``averaged`` steps, labelled
+    so, learning rate (the step size d*lr of a learning-rate-free optimizer, else the first group's) and the last
+    validation loss once there is one."""
+    fields = {"epoch": f"{epoch}/{num_epochs}",
+              f"avg loss (last {averaged} step{'' if averaged == 1 else 's'})": f"{loss:.4f}"}
     applied = [v for tag, v in lrs.items() if tag.startswith("lr/d*lr/")] or list(lrs.values())
     if applied:
         fields["lr"] = f"{applied[0]:.3g}"
     if validation_loss is not None:
-        fields["val"] = f"{validation_loss:.4f}"
+        fields["val loss"] = f"{validation_loss:.4f}"
     return fields

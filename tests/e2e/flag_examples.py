@@ -128,7 +128,7 @@ def _tensorboard(inputs: Inputs) -> list[str]:
 
 BUCKETS = ["--min_bucket_reso", "64"]
 EPOCH = ["--max_train_epochs", "1"]
-HUBER = ["--loss_type", "huber"]
+HUBER = ["--loss_type", "huber"]  # FLUX.1 refuses the default --huber_schedule snr: the cases name one
 SAMPLE = ["--sample_every_n_steps", "1"]
 VALIDATION = ["--validation_split", "0.5"]
 # Values no parser entry can give: files and folders of the case, names, and flags that act only with others.
@@ -162,8 +162,8 @@ EXAMPLES: dict[str, Value] = {
     "--full_bf16_grad_accumulation": ["fp32", "--full_bf16", "--mixed_precision", "bf16"],
     "--full_fp16": ["--mixed_precision", "fp16"],
     "--fused_backward_pass": ["--optimizer_type", "StochasticAdamW"],
-    "--huber_c": ["0.2", *HUBER],
-    "--huber_scale": ["0.5", *HUBER],
+    "--huber_c": ["0.2", *HUBER, "--huber_schedule", "exponential"],
+    "--huber_scale": ["0.5", *HUBER, "--huber_schedule", "constant"],
     "--huber_schedule": ["constant", *HUBER],
     "--in_json": _in_json,
     "--initial_epoch": ["1", "--max_train_steps", "3"],

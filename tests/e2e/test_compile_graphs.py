@@ -101,7 +101,7 @@ def test_hitting_the_recompile_limit_is_one_warning_naming_torch_compile(caplog)
     model = SimpleNamespace(unet=Recompiling())
     # torch's own patch: its undo restores the limit (monkeypatch's undo leaves dynamo's config broken)
     with torch._dynamo.config.patch(recompile_limit=2):
-        model_setup.compile_unet(model, PrecisionConfig(torch_compile=True, dynamo_backend="eager"))
+        model_setup.compile_unet(model, PrecisionConfig(torch_compile=True, dynamo_backend="eager"), "UNet")
         model_setup.watch_recompile_limit().warned = False
         with caplog.at_level(logging.WARNING, logger="library.families.model_setup"):
             for step in range(5):

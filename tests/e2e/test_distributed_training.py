@@ -204,9 +204,10 @@ def test_resumed_on_two_processes_equals_uninterrupted(runs, whole, resumed):
 def test_sigterm_on_one_process_stops_both_with_the_checkpoint_intact(runs):
     main, other = recorded(runs, "fp32_interrupted")
     assert (main["exit"], other["exit"]) == (130, 130)
-    assert main["stderr"] == ["interrupted (process 1): the last saved checkpoint is intact"]
-    assert other["stderr"] == []
     folder = runs["out"] / "fp32_interrupted"
+    saved = folder / "lora-step00000002.safetensors"
+    assert main["stderr"] == [f"interrupted (process 1): the last saved checkpoint, {saved}, is intact"]
+    assert other["stderr"] == []
     assert sorted(p.name for p in folder.iterdir()) == ["lora-step00000002-state", "lora-step00000002.safetensors"]
 
 

@@ -79,7 +79,7 @@ def test_summary_line_counts_the_skipped_updates(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(BatchLoss, "__call__", nan_in_the_second_batch)
     assert train_network.main(train_args(tmp_path, "--max_train_steps", "3")) == 0
-    assert "3 steps, 0 epochs, final loss" in (out := capsys.readouterr().out)
+    assert "3 steps, 0 epochs, loss (last step)" in (out := capsys.readouterr().out)
     assert "1 update skipped as non-finite" in out
 
 

@@ -18,7 +18,7 @@ from library.families.base import ModelFamily, ModelIds
 from tests.toy_family.model import LATENT_CHANNELS, build_toy, tokenize
 
 BUILTIN = "builtin:toy"
-IDS = ModelIds("toy_v1", "toy-denoiser/lora", "tests.toy_family")
+IDS = ModelIds("toy_v1", "toy-denoiser/lora", "tests.toy_family", "epsilon")
 SAMPLE_TIMESTEP = 999
 
 

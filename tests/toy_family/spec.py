@@ -36,6 +36,7 @@ def _behaviour():
 SPEC = FamilySpec(
     name="toy", display_name="Toy", script="toy_train_network.py",
     description="Train a LoRA for the toy denoiser of the tests.", trains="toy LoRAs",
+    model_help="the toy denoiser: builtin:toy (no other model)", denoiser_name="toy denoiser",
     load=_behaviour, section_name="toy", section=ToyConfig, script_problems=toy_problems,
     bucket_step=BucketStep(16, "for the toy (its VAE halves the image three times; 16 keeps the latents even)"),
     latent_suffix="_toy", latent_channels=LATENT_CHANNELS, text_cache_suffix="_toy_te.npz",

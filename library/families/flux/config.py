@@ -174,6 +174,18 @@ def _range_problems(f: FluxConfig) -> list[str]:
     return problems
 
 
+def _huber_problems(cfg: TrainConfig) -> list[str]:
+    """``--huber_schedule snr`` (the default) needs the DDPM noise schedule's alphas_cumprod, which flow matching
+    has none of: upstream's ``train_util.get_huber_threshold_if_needed`` raises NotImplementedError at the first
+    step; here the run stops before anything loads."""
+    loss = cfg.loss
+    if loss.loss_type not in ("huber", "smooth_l1") or loss.huber_schedule != "snr":
+        return []
+    return [f"--loss_type {loss.loss_type} with --huber_schedule snr (the default): the snr schedule needs an SD "
+            "noise schedule, which FLUX.1's flow matching does not have (upstream stops at the first step); add "
+            "--huber_schedule constant or --huber_schedule exponential, the schedules that apply to FLUX.1"]
+
+
 def _is_single_file(path: str) -> bool:
     """A BFL single-file transformer: a .safetensors / .sft file that is not part of a Diffusers shard set."""
     name = os.path.basename(path).lower()
@@ -219,4 +231,5 @@ def flux_script_problems(cfg: TrainConfig) -> list[str]:
     ``post_process_network``, plus the flags this trainer does not provide for FLUX.1) beyond the shared flags it
     refuses or ignores (``REFUSED_FLAGS``, ``IGNORED_FLAGS``), each message naming what to do instead."""
     _warn(cfg)
-    return _refusals(cfg) + _range_problems(cfg.family_config) + _model_file_problems(cfg) + _memory_problems(cfg)
+    return (_refusals(cfg) + _range_problems(cfg.family_config) + _huber_problems(cfg) + _model_file_problems(cfg)
+            + _memory_problems(cfg))

@@ -9,6 +9,10 @@ from library.families.spec import FamilySpec, deferred
 SPEC = FamilySpec(
     name="flux", display_name="FLUX.1", script="flux_train_network.py",
     description="Train a LoRA for FLUX.1 dev / schnell (kohya sd-scripts flags).", trains="FLUX.1 LoRAs",
+    model_help="FLUX.1 transformer: BFL's single file (flux1-dev / flux1-schnell .safetensors; the text encoders "
+    "and AE come from --clip_l, --t5xxl, --ae), a diffusers FLUX folder, builtin:tiny-flux (the built-in tiny "
+    "FLUX.1-shaped model) or builtin:flux-random (real widths, random weights)",
+    denoiser_name="transformer",
     load=deferred("library.families.flux.family", "FluxFamily"),
     write_tiny=deferred("library.families.flux.tiny_files", "write_tiny_files"),
     section_name="flux", section=FluxConfig, script_problems=flux_script_problems,

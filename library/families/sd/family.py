@@ -27,12 +27,14 @@ class SDFamily(UNetFamilyHooks):
 
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
         """sd-scripts' names: ``ss_base_model_version`` sd_v1, sd_v2 or sd_v2_v (``get_sai_model_spec``), the
-        ModelSpec architecture of SD 1.x, 2.x 512 or 2.x 768-v, implemented by diffusers."""
+        ModelSpec architecture of SD 1.x, 2.x 512 or 2.x 768-v, implemented by diffusers, and the prediction type
+        v with ``--v_parameterization``, else epsilon (``sai_model_spec.build_metadata_dataclass``)."""
         if not v2:
             architecture = "stable-diffusion-v1/lora"
         else:
             architecture = "stable-diffusion-v2-768-v/lora" if v_parameterization else "stable-diffusion-v2-512/lora"
-        return ModelIds(("sd_v2" if v2 else "sd_v1") + ("_v" if v_parameterization else ""), architecture, "diffusers")
+        return ModelIds(("sd_v2" if v2 else "sd_v1") + ("_v" if v_parameterization else ""), architecture, "diffusers",
+                        "v" if v_parameterization else "epsilon")
 
     def load(self, cfg: ModelConfig, section: Any, dtype: torch.dtype, file_device: str = "cpu") -> Any:
         """The model in fp32 (``dtype``, the frozen weight dtype, is for built-ins that can be made in it; a single
@@ -47,6 +49,22 @@ class SDFamily(UNetFamilyHooks):
             model.tokenizer, how = load_cached_tokenizer(cfg.tokenizer_cache_dir, cfg.v2)
             log.info("--tokenizer_cache_dir: %s", how)
         return model
+
+    def upstream_draws_before_latents(self, cfg: ModelConfig, model: Any) -> int:
+        """Upstream ``train_util._load_target_model`` builds its U-Net with torch's default initialisation before it
+        loads the weights of a diffusers folder; from a single checkpoint file it builds the U-Net, the VAE and the
+        text encoder so (``model_util.load_models_from_stable_diffusion_checkpoint``); ``model_util.load_vae``
+        builds one more VAE for a ``--vae`` file."""
+        from pathlib import Path
+
+        from library.families.model_parts import default_init_draws, text_model_init_draws
+
+        draws = default_init_draws(model.unet)
+        if Path(cfg.pretrained_model_name_or_path).is_file():
+            draws += default_init_draws(model.vae) + text_model_init_draws(model.text_encoder)
+        if cfg.vae and Path(cfg.vae).is_file():
+            draws += default_init_draws(model.vae)
+        return draws
 
     def text_encoders(self, model: Any) -> list[torch.nn.Module]:
         return [model.text_encoder]

@@ -29,10 +29,11 @@ class SDXLFamily(UNetFamilyHooks):
 
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
         """``ss_base_model_version`` ``sdxl_base_v1-0`` (``sdxl_model_util.MODEL_VERSION_SDXL_BASE_V1_0``, no "_v"
-        suffix), ``stable-diffusion-xl-v1-base/lora`` implemented by Stability AI's generative-models, as upstream
-        writes it."""
+        suffix), ``stable-diffusion-xl-v1-base/lora`` implemented by Stability AI's generative-models, and the
+        prediction type v with ``--v_parameterization``, else epsilon, as upstream writes them
+        (``sai_model_spec.build_metadata_dataclass``)."""
         return ModelIds("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora",
-                        "https://github.com/Stability-AI/generative-models")
+                        "https://github.com/Stability-AI/generative-models", "v" if v_parameterization else "epsilon")
 
     def load(self, cfg: ModelConfig, section: SDXLConfig | None, dtype: torch.dtype, file_device: str = "cpu") -> Any:
         """SDXL files are read to the CPU (``file_device`` is not used: ``--lowram`` moves the parts afterwards);
@@ -43,6 +44,15 @@ class SDXLFamily(UNetFamilyHooks):
         return load_sdxl_model(cfg.pretrained_model_name_or_path, vae=cfg.vae,
                                disable_mmap=sdxl.disable_mmap_load_safetensors, random_dtype=dtype,
                                v_parameterization=cfg.v_parameterization)
+
+    def upstream_draws_before_latents(self, cfg: ModelConfig, model: Any) -> int:
+        """Upstream ``sdxl_train_util._load_target_model`` builds its parts on the meta device, but
+        ``model_util.load_vae`` builds a VAE with torch's default initialisation for a ``--vae`` file."""
+        from pathlib import Path
+
+        from library.families.model_parts import default_init_draws
+
+        return default_init_draws(model.vae) if cfg.vae and Path(cfg.vae).is_file() else 0
 
     def text_encoders(self, model: Any) -> list[torch.nn.Module]:
         return [model.text_encoder, model.text_encoder_2]

@@ -9,6 +9,9 @@ from library.families.spec import FamilySpec, deferred
 SPEC = FamilySpec(
     name="sdxl", display_name="SDXL", script="sdxl_train_network.py",
     description="Train a LoRA for Stable Diffusion XL (kohya sd-scripts flags).", trains="SDXL LoRAs",
+    model_help="SDXL checkpoint: a diffusers folder, a single-file SDXL checkpoint, builtin:tiny-sdxl (the built-in "
+    "tiny SDXL-shaped model) or builtin:sdxl-random (the real architecture, random weights)",
+    denoiser_name="UNet",
     load=deferred("library.families.sdxl.family", "SDXLFamily"),
     write_tiny=deferred("library.families.sdxl.tiny_files", "write_tiny_files"),
     section_name="sdxl", section=SDXLConfig, script_problems=sdxl_script_problems,

@@ -162,10 +162,10 @@ def test_which_parts_are_stored_in_fp8(tiny, flags, unet_fp8, te_fp8):
     assert (policy.unet_fp8, policy.text_encoder_fp8) == (unet_fp8, te_fp8)
     model = copy.copy(tiny)
     model.unet, model.text_encoder = copy.deepcopy(tiny.unet), copy.deepcopy(tiny.text_encoder)
-    store_frozen_fp8(model, policy, model_family("sd"))
+    store_frozen_fp8(model, policy, model_family("sd"), "UNet")
     assert (model.unet.conv_in.weight.dtype == FP8) == unet_fp8
     assert (model.text_encoder.final_layer_norm.weight.dtype == FP8) == te_fp8
-    line = policy.describe("fp32")
+    line = policy.describe("fp32", "UNet")
     assert ("UNet fp8 e4m3fn computed in bf16" in line) == unet_fp8
     assert ("text encoder fp8 e4m3fn computed in bf16" in line) == te_fp8
 

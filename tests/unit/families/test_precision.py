@@ -24,7 +24,7 @@ def test_policy(kwargs, expected):
 
 
 def test_describe_names_every_part():
-    line = precision_policy(PrecisionConfig(mixed_precision="bf16", full_bf16=True)).describe("bf16")
+    line = precision_policy(PrecisionConfig(mixed_precision="bf16", full_bf16=True)).describe("bf16", "UNet")
     for part in ("UNet bf16", "text encoder bf16", "VAE bf16", "LoRA weights bf16", "gradients bf16",
                  "optimizer state bf16", "loss fp32"):
         assert part in line

@@ -1,7 +1,7 @@
 """SDXL LoRA networks: the module set and shapes equal upstream's ``networks.lora.create_network`` on the real SDXL
 architecture (``tests/data/upstream_sdxl_lora_modules.json``, produced by running upstream in its venv), the tiny
 SDXL has the same names, block dims follow upstream's 23 blocks, one LR per text encoder, every key is one that
-ComfyUI and A1111 map, and diffusers' ``StableDiffusionXLPipeline.load_lora_weights`` converts every key."""
+ComfyUI and A1111 map (that diffusers loads every key: ``tests/e2e/test_sdxl_lora_diffusers.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from accelerate import init_empty_weights
 
 from library.base.errors import UserError
@@ -101,30 +100,3 @@ def test_every_key_is_one_comfyui_and_a1111_map(tiny):
     names = {key.split(".")[0] for key in net.state_dict()}
     assert names <= accepted
     assert {key.split(".", 1)[1] for key in net.state_dict()} == {"lora_down.weight", "lora_up.weight", "alpha"}
-
-
-def test_diffusers_loads_every_key(tiny_sdxl_dir, tmp_path):
-    from diffusers import StableDiffusionXLPipeline
-
-    from library.families.sdxl.loading import load_sdxl_model
-
-    model = load_sdxl_model(str(tiny_sdxl_dir))
-    net = lora.create_network(1.0, 4, 2, model.vae, model.text_encoders, model.unet, conv_dim="4", conv_alpha="2")
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for module in net.loras:
-            module.lora_up.weight.copy_(torch.randn(module.lora_up.weight.shape, generator=gen) * 0.5)
-    file = tmp_path / "sdxl_lora.safetensors"
-    net.save_weights(str(file), None, {"ss_network_dim": "4"})
-    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_dir), local_files_only=True)
-
-    def latents():
-        return pipe("a cat", num_inference_steps=2, height=64, width=64, output_type="latent",
-                    generator=torch.Generator().manual_seed(0)).images
-
-    before = latents()
-    pipe.load_lora_weights(str(file))
-    adapters = {part: sum(1 for n, _ in getattr(pipe, part).named_modules() if n.endswith(".lora_A.default_0"))
-                for part in ("unet", "text_encoder", "text_encoder_2")}
-    assert adapters == {"unet": len(net.unet_loras), "text_encoder": 72, "text_encoder_2": 192}
-    assert not torch.allclose(latents(), before)

@@ -135,3 +135,12 @@ def test_a_blank_nan_sample_is_marked(tmp_path):
     marks = [(t.get_position(), t.get_text()) for t in fig.axes[3].texts]
     assert marks == [((THUMB * 0.5, THUMB * 1.5), "blank\n(NaN?)")]
     close(fig)
+
+
+def test_the_title_labels_its_loss_as_what_it_is():
+    from library.report.figure import headline
+
+    current, average = series([1, 2], [0.9, 0.5]), series([1, 2], [0.9, 0.7])
+    assert headline(run_of({"loss/current": current, "loss/average": average})) == \
+        "run 20261201100000, 2 steps, avg loss (moving average) 0.7000"
+    assert headline(run_of({"loss/current": current})) == "run 20261201100000, 2 steps, loss (last step) 0.5000"

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from library.base.errors import Stopped, TrainingDiverged, UserError
 from library.config.distributed import DistributedConfig
+from library.data.cache_progress import CacheProgress
 from library.runtime import processes, save_gate
 from library.train.position import Position, SaveHooks
 
@@ -154,6 +155,36 @@ def _():
         p.sync()
         return "not stopped"
     return outcome(body)
+
+
+def caching(p: processes.Processes, batches: int, encoded: list, interrupt: bool = False) -> str:
+    """A process's share of a cache as ``library/data/encode_caches.py`` runs it: ``batches`` batches through
+    ``CacheProgress.watch`` (a sync point before each), then the barrier after the share; ``interrupt``: SIGTERM to
+    itself while its first batch is encoded."""
+    def encode(batch):
+        encoded.append(batch[0])
+        if interrupt:
+            os.kill(os.getpid(), signal.SIGTERM)  # raises KeyboardInterrupt here
+        return batch
+
+    watched = CacheProgress(step=p.caching_step).watch(encode)
+    for index in range(batches):
+        watched([index])
+    p.caching_done()
+    p.sync()
+    return "done"
+
+
+@check("caching_unequal_shares")
+def _():
+    encoded: list[int] = []
+    return {**outcome(lambda p: caching(p, 1 if RANK == 0 else 4, encoded)), "encoded": encoded}
+
+
+@check("caching_interrupted")
+def _():
+    encoded: list[int] = []
+    return {**outcome(lambda p: caching(p, 1 if RANK == 0 else 6, encoded, interrupt=RANK == 0)), "encoded": encoded}
 
 
 @dataclass

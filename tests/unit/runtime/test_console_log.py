@@ -3,7 +3,10 @@ level, a file opened with mode "w" instead of the console, bare messages on stdo
 
 from __future__ import annotations
 
+import io
 import logging
+import re
+import sys
 
 import pytest
 
@@ -78,3 +81,27 @@ def test_setting_up_again_replaces_only_our_handler():
 def test_unwritable_log_file_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match=r"--console_log_file .*nowhere/train.log: cannot write it"):
         console_log.setup_logging(LogConfig(console_log_file=str(tmp_path / "nowhere" / "train.log")))
+
+
+def test_a_log_line_during_a_progress_bar_starts_a_line_of_its_own(monkeypatch):
+    from tqdm import tqdm
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:  # tqdm draws its bar only on a terminal
+            return True
+
+    console = Terminal()
+    monkeypatch.setattr(sys, "stderr", console)
+    console_log.setup_logging()
+    bar = tqdm(total=4, desc="steps")
+    bar.update(1)
+    bar.set_postfix({"val loss": "1.0952"})
+    log.info("validation loss 1.0952 at step 1")
+    bar.update(1)
+    bar.close()
+    text = console.getvalue()
+    assert "1.0952]" in text  # the bar was drawn
+    # on a terminal "\r" returns to the line's start: the log line must follow a "\r" (the bar cleared) or a newline,
+    # never the bar's last character ("...val loss=1.0952]INFO validation loss ...")
+    assert re.search(r"[\r\n]INFO validation loss 1\.0952 at step 1\n", text)
+    assert "]INFO" not in text

@@ -129,8 +129,19 @@ def test_a_global_stop_is_printed_once(ranks):
 def test_sigterm_on_one_process_stops_both_with_130(ranks):
     for check, where in (("signal_before_sync", " (process 1)"), ("signal_outside_sync", "")):
         main, other = (r[check] for r in ranks)
-        assert main == {"stopped": 130, "lines": [f"interrupted{where}: the last saved checkpoint is intact"]}
+        assert main == {"stopped": 130, "lines": [f"interrupted{where}: nothing was saved by this run"]}
         assert other == {"stopped": 130, "lines": []}
+
+
+def test_processes_with_unequal_cache_shares_leave_caching_together(ranks):
+    main, other = (r["caching_unequal_shares"] for r in ranks)
+    assert main == {"value": "done", "encoded": [0]} and other == {"value": "done", "encoded": [0, 1, 2, 3]}
+
+
+def test_an_interruption_while_caching_stops_the_other_process_at_its_next_batch(ranks):
+    main, other = (r["caching_interrupted"] for r in ranks)
+    assert main == {"stopped": 130, "lines": ["interrupted: nothing was saved by this run"], "encoded": [0]}
+    assert other == {"stopped": 130, "lines": [], "encoded": [0]}  # not its 6 batches
 
 
 def test_sharded_sampler_deals_positions_and_resumes_at_the_process_batch(ranks):
@@ -151,3 +162,25 @@ def test_saves_run_on_the_main_process_with_every_process_random_state(ranks):
 def test_ddp_flags_say_what_they_do_here(ranks):
     lines = ranks[0]["options"]
     assert len(lines) == 1 and lines[0].startswith("--ddp_static_graph: no effect here")
+
+
+def test_an_interrupted_single_process_says_what_the_run_saved(tmp_path):
+    from library.base.errors import Stopped
+    from library.config.distributed import DistributedConfig
+
+    earlier, saved = tmp_path / "lora.safetensors", tmp_path / "lora-step00000010.safetensors"
+    cases = ((None, None, "interrupted: nothing was saved by this run"),
+             (None, earlier, f"interrupted: nothing was saved by this run; {earlier} from before this run is left "
+                             "as it was"),
+             (saved, earlier, f"interrupted: the last saved checkpoint, {saved}, is intact"))
+    for checkpoint, before, line in cases:
+        group = processes.start(DistributedConfig(), env={})
+        group.checkpoint, group.earlier = (lambda c=checkpoint: c), (lambda b=before: b)
+        try:
+            with group:
+                raise KeyboardInterrupt
+        except Stopped as stopped:
+            got = (stopped.exit_code, stopped.lines)
+        except KeyboardInterrupt:  # caught here, not by pytest, which would end the session
+            got = "KeyboardInterrupt, with the trainer's generic line"
+        assert got == (130, [line])

@@ -149,7 +149,9 @@ def test_epoch_cadence_default_every_epoch_and_every_n(monkeypatch):
 
 
 def test_progress_fields():
-    fields = progress_fields(2, 5, 0.123456, {"lr/textencoder": 5e-5, "lr/unet": 1e-4}, None)
-    assert fields == {"epoch": "2/5", "loss": "0.1235", "lr": "5e-05"}
-    fields = progress_fields(1, 1, 0.5, {"lr/unet": 1.0, "lr/d*lr/unet": 2.5e-6}, 0.98765)
-    assert fields["lr"] == "2.5e-06" and fields["val"] == "0.9877"
+    # the bar's loss is the moving average (sd-scripts' avr_loss) and says so, with the steps it averages
+    fields = progress_fields(2, 5, 0.123456, {"lr/textencoder": 5e-5, "lr/unet": 1e-4}, None, 15)
+    assert fields == {"epoch": "2/5", "avg loss (last 15 steps)": "0.1235", "lr": "5e-05"}
+    fields = progress_fields(1, 1, 0.5, {"lr/unet": 1.0, "lr/d*lr/unet": 2.5e-6}, 0.98765, 1)
+    assert fields["avg loss (last 1 step)"] == "0.5000"
+    assert fields["lr"] == "2.5e-06" and fields["val loss"] == "0.9877"
