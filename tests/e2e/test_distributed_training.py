@@ -181,7 +181,10 @@ def test_two_processes_of_one_image_equal_one_process_of_two(runs, tmp_path):
     moved = max(t.abs().max().item() for k, t in reference.items() if "lora_up" in k)
     assert moved > 1e-3  # lora_up starts at zero
     worst = max((first[k] - reference[k]).abs().max().item() for k in first)
-    assert worst < 1e-6, f"largest difference {worst:.2e} (moved up to {moved:.2e})"
+    # A batch of two and two batches of one take other fp32 kernels (the CPU's convolution algorithm depends on the
+    # batch size and on the instruction set): equal up to their rounding, about 1e-4 of how far the LoRA moved on an
+    # AVX2-only CPU; a wrong reduction (a sum for a mean, a missing process) is off by the whole move.
+    assert worst < 1e-3 * moved, f"largest difference {worst:.2e} (moved up to {moved:.2e})"
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "bf16_resumed", "nan_skip", "equivalence", "sdxl_equivalence",

@@ -17,8 +17,7 @@ import pytest
 from library.base.errors import UserError
 from library.config import validate
 from library.families.flux.config import FluxConfig
-from tests.config_helpers import build_parser, parse_args
-from tests.unit.config.test_upstream_flags import _cli_value, _toml_value
+from tests.config_helpers import build_parser, parse_args, sample_cli_value, sample_toml_value
 
 ROOT = Path(__file__).resolve().parents[3]
 DATA = ROOT / "tests" / "data"
@@ -34,7 +33,7 @@ PY_TYPES = {"int": int, "float": float, "str": str}
 
 
 def _expected(flag: dict):
-    """The value ``_cli_value`` / ``_toml_value`` give a flag, as the config holds it."""
+    """The value ``sample_cli_value`` / ``sample_toml_value`` give a flag, as the config holds it."""
     if flag["action"] == "store_true":
         return True
     if flag["choices"]:
@@ -53,7 +52,7 @@ def test_the_flux_section_has_exactly_the_flux_only_flags():
 
 @pytest.mark.parametrize("flag", FLAGS, ids=[f["dest"] for f in FLAGS])
 def test_flag_parses_on_the_command_line(flag, tmp_path):
-    value = _cli_value(flag)
+    value = sample_cli_value(flag)
     if flag["dest"] == "config_file":
         (tmp_path / "args.toml").write_text("")
         value = [str(tmp_path / "args.toml")]
@@ -68,7 +67,7 @@ def test_flag_parses_in_a_config_file(flag, tmp_path):
     if flag["dest"] in ("config_file", "output_config"):
         pytest.skip("switches of the config file itself")
     toml = tmp_path / "args.toml"
-    toml.write_text(f"[section]\n{flag['dest']} = {_toml_value(flag)}\n")
+    toml.write_text(f"[section]\n{flag['dest']} = {sample_toml_value(flag)}\n")
     cfg, _ = parse_args(BASE + ["--config_file", str(toml)], "flux")
     if flag["dest"] in FLUX_ONLY:
         assert getattr(cfg.family_config, flag["dest"]) == _expected(flag)
@@ -124,7 +123,7 @@ def test_the_entry_script_prints_help_without_loading_anything():
 def test_flux_only_keys_are_refused_by_the_other_scripts(dest, tmp_path):
     flag = BY_DEST[dest]
     toml = tmp_path / "args.toml"
-    toml.write_text(f"{dest} = {_toml_value(flag)}\n")
+    toml.write_text(f"{dest} = {sample_toml_value(flag)}\n")
     for family, base, trains in (("sd", SD_BASE, "train_network.py trains SD 1.x/2.x LoRAs"),
                                  ("sdxl", SD_BASE, "sdxl_train_network.py trains SDXL LoRAs")):
         if dest in SDXL_FLAGS and family == "sdxl":
@@ -134,7 +133,7 @@ def test_flux_only_keys_are_refused_by_the_other_scripts(dest, tmp_path):
         (message,) = info.value.messages
         assert "FLUX.1 (flux_train_network.py)" in message and message.endswith(trains)
         with pytest.raises(UserError, match="unknown flag"):
-            parse_args(base + [f"--{dest}", *_cli_value(flag)], family)
+            parse_args(base + [f"--{dest}", *sample_cli_value(flag)], family)
 
 
 def test_sd_and_sdxl_flags_the_flux_script_lacks_are_none_upstream():

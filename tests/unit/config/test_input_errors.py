@@ -228,6 +228,9 @@ def test_network_alpha_defaults_to_one_as_sd_scripts_passes_it(monkeypatch):
         def __getattr__(self, name):
             return lambda *a, **k: self
 
+        def parameters(self):  # one trainable tensor: a network that trains something
+            return iter([torch.zeros(1, requires_grad=True)])
+
     def create_network(multiplier, dim, alpha, vae, te, unet, **kwargs):
         seen["alpha"] = alpha
         return Net()

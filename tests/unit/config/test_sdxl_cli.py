@@ -11,8 +11,7 @@ import pytest
 
 from library.base.errors import UserError
 from library.config import validate
-from tests.config_helpers import parse_args
-from tests.unit.config.test_upstream_flags import _cli_value, _toml_value
+from tests.config_helpers import parse_args, sample_cli_value, sample_toml_value
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 FLAGS = json.loads((DATA / "upstream_sdxl_train_network_flags.json").read_text())["flags"]
@@ -29,7 +28,7 @@ def test_the_list_is_upstreams_196_flags():
 
 @pytest.mark.parametrize("flag", FLAGS, ids=[f["dest"] for f in FLAGS])
 def test_flag_parses_on_the_command_line(flag, tmp_path):
-    value = _cli_value(flag)
+    value = sample_cli_value(flag)
     if flag["dest"] == "config_file":
         (tmp_path / "args.toml").write_text("")
         value = [str(tmp_path / "args.toml")]
@@ -42,7 +41,7 @@ def test_flag_parses_in_a_config_file(flag, tmp_path):
     if flag["dest"] in ("config_file", "output_config"):
         pytest.skip("switches of the config file itself")
     toml = tmp_path / "args.toml"
-    toml.write_text(f"[section]\n{flag['dest']} = {_toml_value(flag)}\n")
+    toml.write_text(f"[section]\n{flag['dest']} = {sample_toml_value(flag)}\n")
     parse_args(BASE + ["--config_file", str(toml)], "sdxl")
 
 
