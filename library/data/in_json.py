@@ -10,7 +10,9 @@ with each extension (the form sd-scripts' ``merge_captions_to_metadata.py`` writ
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from library.base.bounded import load_json
 from library.base.errors import UserError
@@ -20,29 +22,49 @@ from library.data.images import IMAGE_EXTENSIONS
 IN_JSON_SHAPE = 'a fine-tuning metadata file maps each image to {"caption": ..., "tags": ...}'
 
 
-def _load(path: Path, errors: list[str]) -> dict[str, dict]:
+def _read(path: Path, errors: list[str], parse: Callable[[str], Any]) -> Any:
+    """``parse`` of the file's text; a problem (unreadable, not UTF-8, not JSON, out of bounds) is appended to
+    ``errors`` and None returned."""
     try:
-        if path.suffix.lower() == ".jsonl":
-            entries = {}
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if line.strip():
-                    record = load_json(line, f"{path}:{number}", IN_JSON_SHAPE)
-                    if not isinstance(record, dict) or "image_path" not in record:
-                        errors.append(f"{path}:{number}: expected an object with image_path")
-                        continue
-                    entries[record["image_path"]] = record
-            return entries
-        loaded = load_json(path.read_text(encoding="utf-8"), str(path), IN_JSON_SHAPE)
+        return parse(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         errors.append(f"{path}: not valid JSON: {e}")
-        return {}
     except UserError as e:  # nested too deep, or an integer too long
         errors.extend(e.messages)
+    except OSError as e:
+        errors.append(f"{path}: cannot be read: {e.strerror or e}")
+    return None
+
+
+def _jsonl(text: str, path: Path, errors: list[str]) -> dict[str, dict]:
+    entries = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            record = load_json(line, f"{path}:{number}", IN_JSON_SHAPE)
+            if not isinstance(record, dict) or "image_path" not in record:
+                errors.append(f"{path}:{number}: expected an object with image_path")
+                continue
+            entries[record["image_path"]] = record
+    return entries
+
+
+def load_metadata_json(path: Path, errors: list[str]) -> dict[str, dict]:
+    """A metadata JSON file (not JSONL) as parsed, in its key order; {} with the problem appended to ``errors``
+    when it cannot be read or is not an object of objects."""
+    before = len(errors)
+    loaded = _read(path, errors, lambda text: load_json(text, str(path), IN_JSON_SHAPE))
+    if len(errors) > before:
         return {}
     if not isinstance(loaded, dict) or not all(isinstance(v, dict) for v in loaded.values()):
         errors.append(f'{path}: expected {{"image": {{"caption": "...", "tags": "..."}}, ...}}')
         return {}
     return loaded
+
+
+def _load(path: Path, errors: list[str]) -> dict[str, dict]:
+    if path.suffix.lower() == ".jsonl":
+        return _read(path, errors, lambda text: _jsonl(text, path, errors)) or {}
+    return load_metadata_json(path, errors)
 
 
 def _image_path(key: str, image_dir: str | None) -> Path | None:

@@ -1,0 +1,60 @@
+"""Write the tags of a folder of images (a tagger's ``.txt`` files) into a fine-tuning metadata file (``--in_json``
+of ``fine_tune.py``, ``metadata_file`` of a dataset TOML), as sd-scripts' ``finetune/merge_dd_tags_to_metadata.py``
+(48d368fa) does, with its arguments and output: each image's ``<name><caption_extension>`` text, stripped, becomes
+the "tags" of its entry (key: the file name without extension, or the path with ``--full_path``), in the existing
+metadata of ``--in_json`` (or of ``out_json`` when it exists) or a new file.
+
+    python finetune/merge_dd_tags_to_metadata.py TRAIN_DATA_DIR OUT_JSON [--in_json IN_JSON]
+        [--caption_extension .txt] [--full_path [--recursive]] [--debug]
+
+Behaviour and the differences from upstream (clear errors instead of tracebacks):
+``library/data/metadata_json.py``. Exit codes: 0 written, 2 bad input (nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("train_data_dir", type=str, help="folder of the training images")
+    parser.add_argument("out_json", type=str, help="metadata file to write")
+    parser.add_argument("--in_json", type=str,
+                        help="metadata file to start from (default: out_json when it exists, else an empty one)")
+    parser.add_argument("--full_path", action="store_true",
+                        help="key each image by its path instead of its file name (images of several folders)")
+    parser.add_argument("--recursive", action="store_true",
+                        help="also take the images of every sub-folder of train_data_dir (needs --full_path)")
+    parser.add_argument("--caption_extension", type=str, default=".txt", help="extension of the tag files")
+    parser.add_argument("--debug", action="store_true", help="log each image's key and tags")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from library.base.errors import UserError
+    from library.data.metadata_json import merge_texts
+    from library.runtime.console_log import setup_logging
+
+    setup_logging()
+    args = setup_parser().parse_args(argv)
+    in_json = Path(args.in_json) if args.in_json is not None else None
+    try:
+        merge_texts(Path(args.train_data_dir), Path(args.out_json), in_json, args.caption_extension, "tags",
+                    flag="--caption_extension", full_path=args.full_path, recursive=args.recursive,
+                    echo=log.info if args.debug else None)
+    except UserError as exc:
+        for message in exc.messages:
+            print(f"error: {message}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())
