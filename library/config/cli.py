@@ -90,9 +90,12 @@ def build_parser(family: Any, families: Sequence[Any] = ()) -> argparse.Argument
     parser = _Parser(prog=family.script, description=family.description, argument_default=argparse.SUPPRESS,
                      allow_abbrev=False)
     parser.family, parser.families = family, families
+    fields = all_fields(family)
     for section, cls in family_sections(family).items():
         group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
         for f in dataclasses.fields(cls):
+            if fields.get(f.name, (None,))[0] != section:  # a shared flag it lacks, or declares in its section
+                continue
             meta = f.metadata
             kind, element = _kind(f)
             kwargs: dict[str, Any] = {"help": _help(f, family)}
@@ -210,7 +213,7 @@ def _owners(key: str, family: Any, families: Sequence[Any]) -> str | None:
     """The other scripts that have ``key``: ours first (in ``families`` order), then those of upstream's that the
     kohya_ss GUI writes keys for; None when no other script has it."""
     ours = [f"{other.display_name} ({other.script})" for other in families
-            if other.name != family.name and key in all_fields(other)]
+            if other.script != family.script and key in all_fields(other)]
     owners = ours + [name for name, keys in OTHER_FAMILY_KEYS.items() if key in keys]
     if not owners:
         return None
@@ -235,7 +238,7 @@ def _read_config(path: str, family: Any, families: Sequence[Any]) -> tuple[dict[
                 continue
             loc = f"{file}: [{where}]" if where else f"{file}:"
             name = LEGACY_FLAGS.get(key, key)
-            if name in GUI_ONLY_KEYS:
+            if name in GUI_ONLY_KEYS and name not in fields:  # a flag of this script: read as one (train_db.py)
                 gui_fields.append(key)
             elif name in GUI_REFUSED_WHEN_SET:
                 if value:
@@ -265,8 +268,11 @@ def _read_config(path: str, family: Any, families: Sequence[Any]) -> tuple[dict[
     return values, file, gui_fields
 
 
-def _defaults() -> dict[str, Any]:
-    return {name: field_default(f) for name, (_, f) in all_fields().items()}
+def _defaults(family: Any) -> dict[str, Any]:
+    """Every flag's default: the shared ones, then those of ``family``'s script (its own section's declaration of
+    a shared name wins)."""
+    return {name: field_default(f) for fields in (all_fields(), all_fields(family))
+            for name, (_, f) in fields.items()}
 
 
 def _apply_legacy_optimizer(values: dict[str, Any]) -> None:
@@ -315,7 +321,7 @@ def parse_args(argv: list[str], family: Any, families: Sequence[Any] = ()) -> tu
     reads = explicit.get("config_file") and not explicit.get("output_config")
     from_file, file, gui_fields = (_read_config(explicit["config_file"], family, families) if reads
                                    else ({}, None, []))
-    values = {**_defaults(), **from_file, **explicit}
+    values = {**_defaults(family), **from_file, **explicit}
     _quiet_gui_tracker_fields(values, explicit, gui_fields)
     _log_gui_fields(file, gui_fields)
     _apply_legacy_optimizer(values)

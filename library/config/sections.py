@@ -65,10 +65,13 @@ def family_sections(family: Any) -> dict[str, type]:
 
 def all_fields(family: Any = None) -> dict[str, tuple[str, dataclasses.Field]]:
     """Map every flag name to (section name, dataclass field): the shared flags, and with ``family`` (a
-    ``FamilySpec``) its script's own too."""
+    ``FamilySpec``) the flags of its script: the shared ones it has (not ``omitted_flags``) and its own."""
     out: dict[str, tuple[str, dataclasses.Field]] = {}
+    omitted = family.omitted_flags if family is not None else frozenset()
     for section, cls in (SECTION_CLASSES if family is None else family_sections(family)).items():
         for f in dataclasses.fields(cls):
+            if section in SECTION_CLASSES and f.name in omitted:
+                continue
             out[f.name] = (section, f)
     return out
 
@@ -99,6 +102,8 @@ def public_snapshot(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
 def from_namespace(values: dict[str, Any], family: Any) -> TrainConfig:
     """Build the typed config from parsed flag values (a dict keyed by flag name) for the script of ``family`` (a
     ``FamilySpec``): the shared sections, and the family's own section from the flags only its script has."""
-    sections = {name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+    omitted = family.omitted_flags  # the script lacks them: their shared sections keep the defaults
+    sections = {name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)
+                             if f.name in values and f.name not in omitted})
                 for name, cls in SECTION_CLASSES.items()}
     return TrainConfig(**sections, family=family, family_config=family.family_config(values))

@@ -43,14 +43,18 @@ class PrecisionPolicy:
             return torch.autocast(device.type, enabled=False)
         return torch.autocast(device.type, dtype=self.autocast_dtype)
 
-    def describe(self, optimizer_state: str, denoiser: str) -> str:
+    def describe(self, optimizer_state: str, denoiser: str, full_model: bool = False) -> str:
         """One line naming the dtype of every part, printed at the start of a run; ``denoiser``: the family's name
-        for its denoiser (``FamilySpec.denoiser_name``)."""
+        for its denoiser (``FamilySpec.denoiser_name``); ``full_model``: a full fine-tuning run, whose trained
+        weights are the model's own."""
         frozen = dtype_name(self.frozen_dtype)
         unet = f"fp8 e4m3fn computed in {frozen}" if self.unet_fp8 else frozen
         text_encoder = f"fp8 e4m3fn computed in {frozen}" if self.text_encoder_fp8 else frozen
-        return (f"precision: {denoiser} {unet}, text encoder {text_encoder}, "
-                f"VAE {dtype_name(self.vae_dtype)}, LoRA weights {dtype_name(self.network_dtype)}, "
+        parts = (f"trained weights ({denoiser}, trained text encoders) {dtype_name(self.network_dtype)}, other "
+                 f"weights {frozen}" if full_model else f"{denoiser} {unet}, text encoder {text_encoder}")
+        return (f"precision: {parts}, "
+                f"VAE {dtype_name(self.vae_dtype)}, "
+                + ("" if full_model else f"LoRA weights {dtype_name(self.network_dtype)}, ") +
                 f"gradients {dtype_name(self.network_dtype)}, optimizer state {optimizer_state}, "
                 f"autocast {dtype_name(self.autocast_dtype) if self.autocast_dtype else 'off'}, loss fp32"
                 + (", dynamic loss scaling" if self.loss_scaling else ""))

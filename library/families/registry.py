@@ -1,6 +1,7 @@
 """The model families: the only list of them. Each entry is a family package's record (``<family>/spec.py``, a
 ``library/families/spec.FamilySpec``); a new family is a package beside ``sd/``, ``sdxl/`` and ``flux/``, one line
-here and its entry script. Importing this module imports no torch; ``model_family`` loads the behaviour.
+here and its entry script; a full fine-tuning script is one more record of its family in ``SCRIPTS``. Importing
+this module imports no torch; ``model_family`` loads the behaviour.
 """
 
 from __future__ import annotations
@@ -8,11 +9,18 @@ from __future__ import annotations
 from functools import cache
 
 from library.families.flux.spec import SPEC as FLUX
+from library.families.sd.spec import DREAMBOOTH as SD_DREAMBOOTH
+from library.families.sd.spec import FINE_TUNE as SD_FINE_TUNE
 from library.families.sd.spec import SPEC as SD
+from library.families.sdxl.spec import FINE_TUNE as SDXL_FINE_TUNE
 from library.families.sdxl.spec import SPEC as SDXL
 from library.families.spec import FamilySpec
 
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (SD, SDXL, FLUX)}
+
+# Every entry script's record by script name: each family's LoRA script, then the full fine-tuning scripts.
+SCRIPTS: dict[str, FamilySpec] = {spec.script: spec for spec in (SD, SDXL, FLUX, SD_FINE_TUNE, SD_DREAMBOOTH,
+                                                                 SDXL_FINE_TUNE)}
 
 
 def family_spec(name: str) -> FamilySpec:

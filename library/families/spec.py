@@ -37,7 +37,9 @@ def deferred(module: str, name: str) -> Callable[..., Any]:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """One model family, as its entry script presents it and as the shared stages ask about it."""
+    """One model family, as one of its entry scripts presents it and as the shared stages ask about it: the family's
+    LoRA script (its ``SPEC``) or one of its full fine-tuning scripts (the same facts with ``trained="model"``, their
+    own script, help and flags: ``fine_tune.py``, ``train_db.py``, ``sdxl_train.py``)."""
 
     name: str  # its key in the registry and ``TrainConfig.family.name``
     display_name: str  # how messages name it: "SD 1.x/2.x", "SDXL", "FLUX.1"
@@ -64,6 +66,18 @@ class FamilySpec:
     sample_guidance: bool = False  # its sampler reads a prompt's guidance scale (``--g``) and distilled CFG
     # ``python -m library.tiny_model --<name> OUT_DIR``: writes its tiny model's files, says what it wrote
     write_tiny: Callable[[Path], str] | None = None
+    # What the script trains: "network" (a LoRA, ``--network_module``) or "model" (full fine-tuning: the denoiser
+    # and the text encoders its flags choose, saved as checkpoints by ``write_checkpoint``)
+    trained: str = "network"
+    # Shared flags the script does not have (upstream's parser lacks them): not in its ``--help``; given, they are
+    # named as another script's option. Its own section may declare one of them anew (``save_model_as``).
+    omitted_flags: frozenset[str] = frozenset()
+    # A full fine-tuning script's checkpoint writer: ``write_checkpoint(model, path, CheckpointFormat, dtype,
+    # metadata, epoch, step)`` (``library/families/checkpoint_flags.py``); imports torch at the call
+    write_checkpoint: Callable[..., None] | None = None
+    # A full fine-tuning script's choice of what trains: ``trained_parts(model, section, learning_rate)`` gives the
+    # ``TrainedPart`` list (``library/families/checkpoint_flags.py``)
+    trained_parts: Callable[..., list[Any]] | None = None
 
     def family_config(self, values: Mapping[str, Any]) -> Any:
         """Its own section filled from parsed flag values (None for a family without flags of its own)."""

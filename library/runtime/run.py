@@ -42,7 +42,7 @@ from library.runtime.output import open_output
 from library.sampling.images import SAMPLE_FOLDER, make_sample_hooks
 from library.sampling.prompts import SamplePlan, check_sample_folder, plan_samples
 from library.saving.lora_files import OutputNames, Saver, make_save_hooks, save_dtype
-from library.saving.metadata import optimizer_description, thumbnail_data_url, training_metadata
+from library.saving.metadata import checkpoint_metadata, optimizer_description, thumbnail_data_url, training_metadata
 from library.saving.resume import (
     TrainingState,
     check_finite,
@@ -53,7 +53,7 @@ from library.saving.resume import (
 )
 from library.saving.state_file import read_state
 from library.saving.trajectory import optimizer_label, trajectory
-from library.train import network_setup, optimizer_setup
+from library.train import full_model, network_setup, optimizer_setup
 from library.train.accumulation import build_accumulation
 from library.train.batch_loss import BatchLoss
 from library.train.loop import LoopResult, train_loop
@@ -183,7 +183,7 @@ def run(cfg: TrainConfig) -> RunResult | None:
         if ready is None:
             return None
         names = ready.names  # the output folder is taken before anything heavy loads; only the main process writes
-        final = Saver(Path(cfg.save.output_dir), cfg.save.save_model_as, None).lora_path(names.last)
+        final = Saver(Path(cfg.save.output_dir), full_model.saved_extension(cfg), None).lora_path(names.last)
         processes.earlier = (lambda: final) if final.is_file() else (lambda: None)  # named if interrupted
         subfolders = (SAMPLE_FOLDER,) if ready.samples else ()  # written into: a link there is refused first
         with open_output(cfg.save.output_dir, names, subfolders) if processes.is_main else nullcontext():
@@ -273,15 +273,19 @@ def _models(cfg: TrainConfig, ready: Prepared, processes: process_group.Processe
     device, family, data = processes.device, ready.family, ready.data
     policy = precision_policy(cfg.precision)
     section = cfg.family_config
-    model = model_setup.load_model(cfg.model, cfg.precision, policy, device, family=family, section=section)
-    network_setup.merge_base_weights(cfg.model, cfg.network.network_module, model, policy, family=family)
-    policy = model_setup.store_frozen_fp8(model, policy, family=family, denoiser_name=cfg.family.denoiser_name,
-                                          section=section)
-    family.place_denoiser(model, section, device)
-    network, train_te = network_setup.build_network(cfg.network, model, policy, device, family=family)
+    if cfg.family.trained == "model":
+        model, network, train_te = full_model.load_and_unfreeze(cfg, policy, device, family)
+    else:
+        model = model_setup.load_model(cfg.model, cfg.precision, policy, device, family=family, section=section)
+        network_setup.merge_base_weights(cfg.model, cfg.network.network_module, model, policy, family=family)
+        policy = model_setup.store_frozen_fp8(model, policy, family=family, denoiser_name=cfg.family.denoiser_name,
+                                              section=section)
+        family.place_denoiser(model, section, device)
+        network, train_te = network_setup.build_network(cfg.network, model, policy, device, family=family)
     processes.broadcast_from_main(list(network.state_dict().values()))  # one initialisation for all
     if processes.is_main:
-        ensure_room_for_save(cfg.save.output_dir, network, save_dtype(cfg.save), cfg.save.save_state, "the LoRA")
+        ensure_room_for_save(cfg.save.output_dir, network, save_dtype(cfg.save), cfg.save.save_state,
+                             "the checkpoint" if cfg.family.trained == "model" else "the LoRA")
     caching = CacheProgress(show=processes.is_main, step=processes.caching_step)  # a bar; stops keep step
     if cfg.data.cache_latents or cfg.data.cache_latents_to_disk:
         files = LatentFiles(cfg.family.latent_suffix, cfg.family.latent_channels)
@@ -313,7 +317,7 @@ def _optimization(cfg: TrainConfig, ready: Prepared, models: Models, processes: 
                                                       ready.plan):
         log.warning(warning)
     log.info(models.policy.describe(optimizer_setup.optimizer_state_label(choice, models.policy),
-                                   cfg.family.denoiser_name))
+                                   cfg.family.denoiser_name, full_model=cfg.family.trained == "model"))
     accumulation = build_accumulation(network, steps=cfg.schedule.gradient_accumulation_steps,
                                       network_dtype=models.policy.network_dtype,
                                       mode=cfg.precision.full_bf16_grad_accumulation,
@@ -351,15 +355,17 @@ def _trainer(cfg: TrainConfig, ready: Prepared, models: Models, optimization: Op
              processes: process_group.Processes) -> Trainer:
     """The loop's components: the loss of a batch, saving, sampling, validation and logs."""
     family, model, network, data = ready.family, models.model, models.network, ready.data
-    meta = training_metadata(
-        cfg, ready.plan, family.model_ids(cfg.model.v2, cfg.model.v_parameterization, model), seed=ready.seed,
+    ids = family.model_ids(cfg.model.v2, cfg.model.v_parameterization, model)
+    meta = checkpoint_metadata(cfg, ids, cfg.data.resolution or data.resolution, ready.thumbnail) \
+        if cfg.family.trained == "model" else training_metadata(
+        cfg, ready.plan, ids, seed=ready.seed,
         thumbnail=ready.thumbnail, dataset_meta=data.metadata(), network_meta=network_setup.network_meta(cfg.network),
         optimizer_name=optimizer_description(optimization.optimizer, ready.choice.options),
         stochastic_rounding=optimizer_setup.rounds_stochastically(ready.choice, models.policy),
         num_train_images=data.num_train_images, num_reg_images=data.num_reg_images,
         resolution=cfg.data.resolution or data.resolution, started=time.time(),
         text_encoder_lr=network_setup.text_encoder_lr(network, cfg.optimizer), family_meta=family.metadata(cfg))
-    saver = Saver(Path(cfg.save.output_dir), cfg.save.save_model_as, save_dtype(cfg.save))
+    saver = Saver(Path(cfg.save.output_dir), full_model.saved_extension(cfg), save_dtype(cfg.save))
     tracker = Tracker(cfg.log if processes.is_main else LogConfig(), public_snapshot(cfg))
     batch_loss = BatchLoss(
         model=model, network=network, noise=cfg.noise, loss=cfg.loss, policy=models.policy, device=models.device,

@@ -142,7 +142,8 @@ class Saver:
     last_lora: Path | None = None  # the newest LoRA file this run wrote
 
     def lora_path(self, stem: str) -> Path:
-        return self.output_dir / f"{stem}.{self.ext}"
+        """The file of a save (a diffusers folder, named by the stem alone, when ``ext`` is "")."""
+        return self.output_dir / (f"{stem}.{self.ext}" if self.ext else stem)
 
     def check(self, network, stem: str, state: tuple[dict[str, Any], dict[str, Any]] | None) -> None:
         """Refuse (``TrainingDiverged``, nothing written) a save whose LoRA or state would hold NaN or Inf."""
@@ -164,7 +165,7 @@ class Saver:
         path = self.lora_path(stem)
         ensure_room_for_save(self.output_dir, network, self.dtype, False, path.name)
         with writing("cannot write the LoRA file", path):
-            network.save_weights(str(path), self.dtype, metadata if self.ext == "safetensors" else None)
+            network.save_weights(str(path), self.dtype, metadata)  # a LoRA's .ckpt/.pt file leaves it out
         self.last_lora = path
         return path
 
@@ -178,7 +179,10 @@ class Saver:
     def remove_lora(self, stem: str) -> None:
         path = self.lora_path(stem)
         with writing("cannot remove the old LoRA file", path):
-            path.unlink(missing_ok=True)
+            if path.is_dir() and not path.is_symlink():
+                remove_folder(path)
+            else:
+                path.unlink(missing_ok=True)
 
     def remove_state(self, stem: str) -> None:
         folder = self.output_dir / f"{stem}-state"

@@ -32,6 +32,8 @@ MINIMAL_KEYS = ("ss_v2", "ss_base_model_version", "ss_network_module", "ss_netwo
 # civitai) only display them. Both carry this value, in upstream's "<implementation>/<version>" form, which cannot be
 # taken for an sd-scripts commit (this checkout's own commit, 40 hex digits too, would be).
 PROJECT_VERSION = "sd-scripts-bf16/0.1"
+# modelspec.implementation of every full checkpoint (sai_model_spec.IMPL_STABILITY_AI for is_stable_diffusion_ckpt)
+STABILITY_AI_IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
 # The --metadata_* flags that become modelspec.<name> entries (sd-scripts' add_model_spec_arguments; title apart).
 SPEC_FLAGS = ("author", "description", "license", "tags", "usage_hint", "thumbnail", "merged_from", "trigger_phrase",
               "preprocessor", "is_negative_embedding")
@@ -53,13 +55,14 @@ class Metadata:
     spec: dict[str, str]
     title: str | None
     no_metadata: bool
+    kind: str = "LoRA"  # the default title's word: "LoRA@<time>", "Checkpoint@<time>"
 
     def at_save(self, *, steps: int, epoch: int, now: float | None = None) -> dict[str, str]:
         now = time.time() if now is None else now
         meta = dict(self.training)
         if not self.no_metadata:
             meta.update({"ss_training_finished_at": _s(now), "ss_steps": _s(steps), "ss_epoch": _s(epoch)})
-        spec = {**self.spec, "modelspec.title": self.title or f"LoRA@{now}",
+        spec = {**self.spec, "modelspec.title": self.title or f"{self.kind}@{now}",
                 "modelspec.date": datetime.datetime.fromtimestamp(int(now)).isoformat()}
         return {**meta, **spec}
 
@@ -94,6 +97,18 @@ def modelspec(cfg: TrainConfig, ids: ModelIds, resolution: tuple[int, int], thum
         if value is not None:
             spec[f"modelspec.{key}"] = value
     return spec
+
+
+def checkpoint_metadata(cfg: TrainConfig, ids: ModelIds, resolution: tuple[int, int],
+                        thumbnail: str | None) -> Metadata:
+    """The metadata of a full fine-tuning checkpoint, as sd-scripts' ``get_sai_model_spec(..., lora=False,
+    is_stable_diffusion_ckpt=True)`` makes it: the ModelSpec entries of ``modelspec`` with the model's own
+    architecture (no "/lora"), Stability AI's implementation and the default title "Checkpoint@<time>"; no ``ss_*``
+    entries are written (the saver takes the step and epoch from them)."""
+    spec = {**modelspec(cfg, ids, resolution, thumbnail),
+            "modelspec.architecture": ids.architecture.removesuffix("/lora"),
+            "modelspec.implementation": STABILITY_AI_IMPLEMENTATION}
+    return Metadata({}, spec, cfg.save.metadata_title or cfg.save.output_name, False, kind="Checkpoint")
 
 
 def thumbnail_data_url(value: str | None) -> str | None:

@@ -1,8 +1,19 @@
-"""Stable Diffusion 1.x / 2.x's record (``train_network.py``): the facts the shared stages read about it."""
+"""Stable Diffusion 1.x / 2.x's records: ``train_network.py`` (``SPEC``) and its full fine-tuning scripts
+``fine_tune.py`` (``FINE_TUNE``) and ``train_db.py`` (``DREAMBOOTH``): the facts the shared stages read about them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from library.config.dataset import BucketStep
+from library.families.checkpoint_flags import FINE_TUNE_REFUSED_FLAGS, LORA_ONLY_FLAGS
+from library.families.sd.fine_tuning import (
+    DreamBoothConfig,
+    FineTuneConfig,
+    dreambooth_parts,
+    dreambooth_problems,
+    fine_tune_parts,
+)
 from library.families.spec import FamilySpec, deferred
 
 SPEC = FamilySpec(
@@ -16,4 +27,21 @@ SPEC = FamilySpec(
     # sd-scripts' verify_bucket_reso_steps(64) in train_network.py
     bucket_step=BucketStep(64, "for SD 1.x/2.x (the UNet halves the latent three times)"),
     latent_suffix="_sd",  # SdSdxlLatentsCachingStrategy.SD_LATENTS_NPZ_SUFFIX
+)
+
+FINE_TUNE = replace(
+    SPEC, script="fine_tune.py", trained="model",
+    description="Fine-tune a Stable Diffusion 1.x/2.x model: all weights of its U-Net, and of its text encoder with "
+    "--train_text_encoder (kohya sd-scripts flags; datasets from --in_json metadata or folders).",
+    trains="whole SD 1.x/2.x models (full fine-tuning)",
+    section_name="fine_tune", section=FineTuneConfig, omitted_flags=LORA_ONLY_FLAGS,
+    refused_flags=FINE_TUNE_REFUSED_FLAGS, trained_parts=fine_tune_parts,
+    write_checkpoint=deferred("library.families.sd.checkpoint_files", "write_sd_checkpoint"),
+)
+DREAMBOOTH = replace(
+    FINE_TUNE, script="train_db.py",
+    description="DreamBooth: fine-tune a Stable Diffusion 1.x/2.x model's U-Net and text encoder on folders of "
+    "images, with regularization images (kohya sd-scripts flags).",
+    section_name="dreambooth", section=DreamBoothConfig, script_problems=dreambooth_problems,
+    trained_parts=dreambooth_parts,
 )

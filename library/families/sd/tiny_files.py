@@ -27,7 +27,7 @@ def build_tiny_sd15(seed: int = 0) -> SDModel:
     return build_builtin(BUILTIN_TINY, seed)
 
 
-def save_diffusers_folder(model: SDModel, out_dir: Path) -> None:
+def save_diffusers_folder(model: SDModel, out_dir: Path, *, safe_serialization: bool = True) -> None:
     """Write ``model`` as a diffusers StableDiffusionPipeline folder (no safety checker).
 
     The folder's scheduler gets SD's released ``steps_offset=1`` for inference; training uses ``noise_scheduler``.
@@ -46,7 +46,7 @@ def save_diffusers_folder(model: SDModel, out_dir: Path) -> None:
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    pipe.save_pretrained(str(out_dir), safe_serialization=True)
+    pipe.save_pretrained(str(out_dir), safe_serialization=safe_serialization)
 
 
 def write_tiny_model(out_dir: Path, seed: int = 0) -> SDModel:

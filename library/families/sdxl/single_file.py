@@ -52,6 +52,11 @@ def detect_sdxl_config(path: Path, state: StateDict, metadata: dict[str, str]) -
                     "models and the built-in tiny one are supported")
 
 
+def sdxl_config_name(model: SDXLModel) -> str:
+    """The bundled config a model was built from, judged by its U-Net's base channels (as ``detect_sdxl_config``)."""
+    return "sdxl" if model.unet.config.block_out_channels[0] == 320 else "tiny-sdxl"
+
+
 def te2_from_openclip(source: StateDict, num_layers: int) -> StateDict:
     """OpenCLIP ViT-bigG keys (after ``conditioner.embedders.1.model.``) -> CLIPTextModelWithProjection keys."""
     out = {f"text_model.{k}": v for k, v in openclip_to_diffusers(source, num_layers).items()}

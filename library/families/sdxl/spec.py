@@ -1,9 +1,14 @@
-"""Stable Diffusion XL's record (``sdxl_train_network.py``): the facts the shared stages read about it."""
+"""Stable Diffusion XL's records: ``sdxl_train_network.py`` (``SPEC``) and its full fine-tuning script
+``sdxl_train.py`` (``FINE_TUNE``): the facts the shared stages read about them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from library.config.dataset import BucketStep
+from library.families.checkpoint_flags import FINE_TUNE_REFUSED_FLAGS, LORA_ONLY_FLAGS
 from library.families.sdxl.config import IGNORED_FLAGS, REFUSED_FLAGS, SDXLConfig, sdxl_script_problems
+from library.families.sdxl.fine_tuning import SDXLFineTuneConfig, sdxl_fine_tune_parts, sdxl_fine_tune_problems
 from library.families.spec import FamilySpec, deferred
 
 SPEC = FamilySpec(
@@ -19,4 +24,15 @@ SPEC = FamilySpec(
     bucket_step=BucketStep(32, "for SDXL (the UNet halves the latent twice)"),
     latent_suffix="_sdxl",  # SdSdxlLatentsCachingStrategy.SDXL_LATENTS_NPZ_SUFFIX
     ignored_flags=IGNORED_FLAGS, refused_flags=REFUSED_FLAGS,
+)
+
+FINE_TUNE = replace(
+    SPEC, script="sdxl_train.py", trained="model",
+    description="Fine-tune a Stable Diffusion XL model: all weights of its U-Net, and of its text encoders with "
+    "--train_text_encoder (kohya sd-scripts flags; folders or --in_json metadata).",
+    trains="whole SDXL models (full fine-tuning)",
+    section_name="sdxl_fine_tune", section=SDXLFineTuneConfig, script_problems=sdxl_fine_tune_problems,
+    omitted_flags=LORA_ONLY_FLAGS, refused_flags={**REFUSED_FLAGS, **FINE_TUNE_REFUSED_FLAGS},
+    trained_parts=sdxl_fine_tune_parts,
+    write_checkpoint=deferred("library.families.sdxl.checkpoint_files", "write_sdxl_checkpoint"),
 )

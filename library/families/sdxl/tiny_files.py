@@ -13,7 +13,7 @@ from pathlib import Path
 from library.families.model_files import force_offline
 
 
-def save_sdxl_diffusers_folder(model, out_dir: Path) -> None:
+def save_sdxl_diffusers_folder(model, out_dir: Path, *, safe_serialization: bool = True) -> None:
     """Write an ``SDXLModel`` as a diffusers StableDiffusionXLPipeline folder."""
     from diffusers import DDPMScheduler, StableDiffusionXLPipeline
 
@@ -25,7 +25,7 @@ def save_sdxl_diffusers_folder(model, out_dir: Path) -> None:
         tokenizer_2=as_transformers_tokenizer(model.tokenizer_2), unet=model.unet,
         scheduler=DDPMScheduler.from_config(model.noise_scheduler.config, steps_offset=1),
     )
-    pipe.save_pretrained(str(out_dir), safe_serialization=True)
+    pipe.save_pretrained(str(out_dir), safe_serialization=safe_serialization)
 
 
 def write_tiny_sdxl(out_dir: Path, seed: int = 0):

@@ -1,0 +1,90 @@
+"""What the full fine-tuning scripts share: the flags that choose how a checkpoint is saved (sd-scripts'
+``train_util.add_sd_saving_arguments``), the format they choose, and the record of one trained part.
+
+sd-scripts 48d368fa (``fine_tune.py``, ``train_db.py``, ``sdxl_train.py``): without ``--save_model_as`` the model is
+saved in the layout it was read from, a single file when ``--pretrained_model_name_or_path`` is a file, else a
+diffusers folder; ``--use_safetensors`` then picks ``.safetensors`` over ``.ckpt`` (and safetensors weights in a
+diffusers folder). With ``--save_model_as`` that format is written, in safetensors when the flag is given or the
+format's name contains "safetensors" (so ``--save_model_as ckpt --use_safetensors`` writes a ``.safetensors`` file,
+as upstream does).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from library.config.fields import flag
+
+CHECKPOINT_FORMATS = ("ckpt", "safetensors", "diffusers", "diffusers_safetensors")
+
+# The shared flags of the LoRA scripts that upstream's full fine-tuning scripts lack: the network's, the LoRA's
+# learning rates, merging LoRAs into the base, the LoRA's training metadata, and the LoRA's file format
+# (``save_model_as``, declared anew by ``CheckpointSaving``). A full fine-tuning record omits them.
+LORA_ONLY_FLAGS = frozenset({
+    "network_module", "network_dim", "network_alpha", "network_dropout", "network_args", "network_weights",
+    "dim_from_weights", "network_train_unet_only", "network_train_text_encoder_only", "scale_weight_norms",
+    "unet_lr", "text_encoder_lr", "fp8_base_unet", "base_weights", "base_weights_multiplier", "no_metadata",
+    "training_comment", "save_model_as",
+})
+
+# Shared flags a full fine-tuning script refuses when set: the trained weights cannot be stored in fp8.
+FINE_TUNE_REFUSED_FLAGS = {
+    "fp8_base": "--fp8_base stores frozen weights in fp8, but full fine-tuning trains the denoiser's weights; use "
+                "--full_bf16 (bf16 weights with stochastically rounded updates) to halve their memory",
+}
+
+
+@dataclass
+class CheckpointSaving:
+    """The checkpoint flags of the full fine-tuning scripts (a mixin of their sections)."""
+
+    save_model_as: str | None = flag(
+        None, "format of the saved model: ckpt / safetensors (one file in the original layout) or diffusers / "
+        "diffusers_safetensors (a diffusers folder); default: the layout the model was read from",
+        choices=CHECKPOINT_FORMATS)
+    use_safetensors: bool = flag(
+        False, "save in safetensors (a .safetensors file, or safetensors weights in a diffusers folder) where "
+        "--save_model_as does not say")
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """How a checkpoint is written: one file (``.ckpt`` or ``.safetensors``) or a diffusers folder."""
+
+    single_file: bool
+    safetensors: bool
+
+    @property
+    def extension(self) -> str:
+        """The file extension without its dot; "" for a diffusers folder (named by its stem alone)."""
+        if not self.single_file:
+            return ""
+        return "safetensors" if self.safetensors else "ckpt"
+
+    def describe(self) -> str:
+        if self.single_file:
+            return f"one .{self.extension} file in the original layout"
+        return "a diffusers folder with " + ("safetensors" if self.safetensors else ".bin") + " weights"
+
+
+def checkpoint_format(section: CheckpointSaving, source: str | None) -> CheckpointFormat:
+    """The format sd-scripts writes for these flags and ``--pretrained_model_name_or_path`` ``source``."""
+    chosen = section.save_model_as
+    if chosen is None:
+        return CheckpointFormat(single_file=source is not None and os.path.isfile(source),
+                                safetensors=section.use_safetensors)
+    return CheckpointFormat(single_file=chosen in ("ckpt", "safetensors"),
+                            safetensors=section.use_safetensors or "safetensors" in chosen)
+
+
+@dataclass(frozen=True)
+class TrainedPart:
+    """One module a full fine-tuning run trains, with its name in the logs (``lr/<name>``), its learning rate, and
+    its submodules that stay frozen because the forward pass never reads them (they would get no gradient)."""
+
+    name: str
+    module: Any
+    learning_rate: float
+    frozen: tuple[Any, ...] = ()
