@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 from library.families.registry import FAMILIES
+from library.runtime.console_log import hide_known_harmless
 
 
 def main(argv: list[str]) -> int:
+    hide_known_harmless()  # before the models' libraries are imported (bitsandbytes warns at import on some CPUs)
     chosen = [name for name in FAMILIES if argv[:1] == [f"--{name}"]]
     rest = argv[1:] if chosen else argv
     spec = FAMILIES[chosen[0]] if chosen else next(iter(FAMILIES.values()))

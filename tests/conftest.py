@@ -1,4 +1,5 @@
-"""Test-wide settings: one CPU thread (2 shared cores make OpenMP spin), no hub access."""
+"""Test-wide settings: one CPU thread (2 shared cores make OpenMP spin), no hub access, the checked harmless library
+warnings hidden."""
 
 import os
 
@@ -10,6 +11,12 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 import pytest  # noqa: E402
+
+from library.runtime.console_log import hide_known_harmless  # noqa: E402
+
+# as the trainer's first step does: the checked harmless library warnings are hidden before any test imports the
+# library that logs one (bitsandbytes logs its at import, on some CPUs), whichever test imports it first
+hide_known_harmless()
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ links (``library/base/files.open_no_follow``): a symbolic link at its name, or a
 refused (exit 2) instead of having what it points to emptied; a device or named pipe is written as before.
 
 Only the handler installed here is replaced when logging is set up again; other handlers on the root logger (a test
-harness's, an embedding program's) are left alone. A few warnings of diffusers and transformers that this project has
-checked to be harmless are hidden, each by its logger and its whole message (``KNOWN_HARMLESS``).
+harness's, an embedding program's) are left alone. A few warnings of diffusers, transformers and bitsandbytes that this
+project has checked to be harmless are hidden, each by its logger and its whole message (``KNOWN_HARMLESS``).
 """
 
 from __future__ import annotations
@@ -98,6 +98,13 @@ KNOWN_HARMLESS = (
      r"`(CLIP|Siglip)ImageProcessor` requires torchvision \(not installed\); falling back to `\1ImageProcessorPil` "
      r"for backward compatibility\. Install torchvision to use the default backend, or import `\1ImageProcessorPil` "
      r"directly to silence this warning\."),
+    # bitsandbytes 0.50 says this when it is imported (diffusers' model classes import it) on a CPU with AVX512-BF16
+    # and without the `kernels` package: it could not fetch the hub's CPU kernel of 4-bit matmuls. That kernel serves
+    # only its `gemv_4bit` op (Linear4bit weights packed for CPU inference; it falls back to its own kernel then); the
+    # trainer quantizes no weights to 4 bits, so the op never runs. Another failure to load it still shows.
+    ("bitsandbytes.backends.cpu.ops",
+     r"Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'\. Please make sure you "
+     r"already `pip install kernels` and the kernels >= 0\.11\.1"),
 )
 
 

@@ -1,27 +1,45 @@
-"""Three FLUX.1 LoRA updates in fp32, ours against upstream sd-scripts 48d368fa's, bit for bit (issue 28 item 6).
+"""Three FLUX.1 LoRA updates in fp32, ours against upstream sd-scripts 48d368fa's (issue 28 item 6).
 
-Reference: ``tests/data/upstream_flux_train_steps.safetensors`` / ``.json``, written by
-``tests/data/upstream_flux_train_steps.py`` in upstream's venv: upstream's training step (``process_batch``,
-``accelerator.backward``, ``accelerator.clip_grad_norm_``, torch's AdamW with default arguments, the constant
-schedule) on the tiny FLUX.1 and LoRA of ``upstream_flux_parity``, for three cases: ``--max_grad_norm`` 1.0 (the
-default; the norm stays below it), 0.01 (clipping scales every gradient) and 0 with ``--gradient_accumulation_steps``
-2. Here the same weights go into our ``FluxTransformer`` and ``networks.lora_flux`` network, and the update runs
-through the trainer's own stages: ``network_setup.param_groups``, ``optimizer_setup`` (optimizer and schedule),
-``build_accumulation``, ``make_updater`` (its ``backward`` and ``update``: clipping, step, schedule tick) and
-``FlowObjective.loss`` with a generator seeded as upstream seeds its global one per micro-batch.
+Reference: ``tests/data/upstream_flux_train_steps.py``, run in upstream's venv: upstream's training step
+(``process_batch``, ``accelerator.backward``, ``accelerator.clip_grad_norm_``, torch's AdamW with default arguments,
+the constant schedule) on the tiny FLUX.1 and LoRA of ``upstream_flux_parity``, for three cases: ``--max_grad_norm``
+1.0 (the default; the norm stays below it), 0.01 (clipping scales every gradient) and 0 with
+``--gradient_accumulation_steps`` 2. Here the same weights go into our ``FluxTransformer`` and ``networks.lora_flux``
+network, and the update runs through the trainer's own stages: ``network_setup.param_groups``, ``optimizer_setup``
+(optimizer and schedule), ``build_accumulation``, ``make_updater`` (its ``backward`` and ``update``: clipping, step,
+schedule tick) and ``FlowObjective.loss`` with a generator seeded as upstream seeds its global one per micro-batch.
 
-Both sides run the same fp32 math on the same CPU kernels, so every loss, gradient norm and LoRA tensor must be
-bit-identical. Before this test, the RMSNorm of q and k squared with ``x * x`` where upstream uses ``x ** 2``: the
-same forward bits, but autograd summed the gradient of ``x`` in another order, so the first loss matched and the LoRA
-drifted from the first update on (max abs 3e-8 per update here). Kernels are chosen per CPU: where this CPU's first
-loss is not bit-identical to the recorded one (another instruction set than the reference machine's), the test falls
-back to a 1e-5 relative tolerance, as ``test_upstream_parity.py`` does for fp32.
+Bit for bit where upstream runs beside it: with the upstream harness (``PEER_DIR`` holding ``sd-scripts/`` and
+``venv/``, as ``shared/upstream/setup.sh`` builds it) the generator runs on this CPU into a temporary folder (about
+10 s) and every loss, gradient norm and LoRA tensor must equal ours bit for bit: both sides run the same fp32 math
+on the same kernels. Before this test, the RMSNorm of q and k squared with ``x * x`` where upstream uses ``x ** 2``:
+the same forward bits, but autograd summed the gradient of ``x`` in another order, so the first loss matched and the
+LoRA drifted from the first update on (max abs 3e-8 per update). A learning rate 1e-6 relative off changes 54 of
+the 80 recorded tensors of a case.
+
+Without the harness (CI): against the numbers stored in ``tests/data/upstream_flux_train_steps.safetensors``,
+within a bound from fp32's precision, not from one CPU's kernels. The stored numbers were made on an AVX2-only CPU;
+another instruction set sums inside ATen's kernels with another vector width, so the same math rounds differently.
+With fp32's unit roundoff u = 2^-24: every update writes each weight twice (AdamW's decay product, then the Adam
+step added), and where two CPUs' unrounded values differ, each write can land on the neighbouring fp32 number: at
+most one ulp, 2u of the magnitude, so after U = 3 updates at most 4 U u = 12u of a tensor's largest magnitude. The
+gradients' own differences reach the weights only through the step, lr = 1e-4 times Adam's normalised ratio, far
+below a weight's ulp. The losses and gradient norms are computed from those weights through the model's forward and
+backward, which round in another order as well; the bound is twice the weights', 8 U u = 24u (1.4e-6), for every
+recorded number, relative to the largest magnitude of its tensor. Measured: this machine's AVX512 kernels against
+the stored numbers 2.25u (losses and norms 1.46u), ATen's scalar kernels (``ATEN_CPU_CAPABILITY=default``) 3.7u
+against them and 5.5u against AVX512; with ``ATEN_CPU_CAPABILITY=avx2`` this machine reproduces them bit for bit. A
+LoRA weight moves only U lr = 3e-4 in three updates, so the bound sees a learning rate off by 2e-3 relative (24u at
+1.2e-3) but not a smaller change; that is the bit-for-bit comparison's job.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
+import subprocess
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,7 +64,10 @@ from networks import lora_flux
 DATA = Path(__file__).resolve().parents[3] / "data"
 PARITY = json.loads((DATA / "upstream_flux_parity.json").read_text())
 FACTS = json.loads((DATA / "upstream_flux_train_steps.json").read_text())
-FALLBACK_RTOL = 1e-5
+FP32_UNIT_ROUNDOFF = 2.0**-24
+STORED_BOUND = 8 * FACTS["updates"] * FP32_UNIT_ROUNDOFF
+PEER = Path(os.environ["PEER_DIR"]) if os.environ.get("PEER_DIR") else None
+HARNESS = PEER is not None and (PEER / "sd-scripts").is_dir() and (PEER / "venv" / "bin" / "python").is_file()
 
 
 def stored(ref: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -58,9 +79,31 @@ def ref() -> dict[str, torch.Tensor]:
     return load_file(str(DATA / "upstream_flux_parity.safetensors"))
 
 
+def max_relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest elementwise difference over the largest magnitude of ``expected``."""
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
 @pytest.fixture(scope="module")
 def upstream() -> dict[str, torch.Tensor]:
     return load_file(str(DATA / "upstream_flux_train_steps.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def upstream_here(tmp_path_factory) -> dict[str, torch.Tensor] | None:
+    """Upstream's numbers computed now on this CPU by the generator in the upstream harness; None without it."""
+    if not HARNESS:
+        return None
+    out = tmp_path_factory.mktemp("upstream_flux_train_steps")
+    for name in ("upstream_flux_parity.safetensors", "upstream_flux_parity.json"):
+        shutil.copy(DATA / name, out / name)
+    env = {**os.environ, "PYTHONPATH": f"{PEER / 'shim'}:.", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([str(PEER / "venv" / "bin" / "python"), str(DATA / "upstream_flux_train_steps.py"),
+                           "--upstream_dir", str(PEER / "sd-scripts"), "--data_dir", str(out)],
+                          cwd=PEER / "sd-scripts", env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"the generator failed in PEER_DIR={PEER}:\n{done.stderr[-3000:]}"
+    return load_file(str(out / "upstream_flux_train_steps.safetensors"))
 
 
 def test_reference_was_made_from_these_inputs(ref) -> None:
@@ -141,16 +184,20 @@ def train_ours(ref: dict[str, torch.Tensor], case: dict) -> dict[str, torch.Tens
 
 
 @pytest.mark.parametrize("case", FACTS["cases"], ids=[c["name"] for c in FACTS["cases"]])
-def test_three_updates_equal_upstream_bit_for_bit(ref, upstream, case: dict) -> None:
+def test_three_updates_equal_upstream(ref, upstream, upstream_here, case: dict) -> None:
     ours = train_ours(ref, case)
     expected = {k: v for k, v in upstream.items() if k.startswith(case["name"] + ".")}
     assert expected and expected.keys() <= ours.keys()
-    same_kernels = torch.equal(ours[f"{case['name']}.loss"][0], expected[f"{case['name']}.loss"][0])
-    for key, value in expected.items():
-        if same_kernels:
+    if upstream_here is not None:
+        here = {k: v for k, v in upstream_here.items() if k.startswith(case["name"] + ".")}
+        assert here.keys() == expected.keys()
+        for key, value in here.items():
             assert torch.equal(ours[key], value), (key, (ours[key] - value).abs().max().item())
-        else:
-            torch.testing.assert_close(ours[key], value, rtol=FALLBACK_RTOL, atol=0.0, msg=key)
+            # the bound holds for upstream's own numbers on this CPU too
+            assert max_relative(value, expected[key]) <= STORED_BOUND, key
+    for key, value in expected.items():
+        worst = max_relative(ours[key], value)
+        assert worst <= STORED_BOUND, f"{key}: {worst / FP32_UNIT_ROUNDOFF:.1f}u off the stored number"
     initial = stored(ref, "lora.")
     moved = [k for k in expected if ".lora." in k and not torch.equal(expected[k], initial[k.split(".lora.", 1)[1]])]
     assert moved, "the reference LoRA never moved"
