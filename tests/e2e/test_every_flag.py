@@ -2,7 +2,9 @@
 0, a warning naming the flag allowed), or is refused with exit 2 and a message naming it; never a traceback nor any
 other exit code. The cases come from the parsers (``tests/e2e/flag_examples.py``): one per (family, flag), so a new
 flag or family adds its cases by itself. A case is one update of one 64x64 image in this process; the LoRA and
-state that some flags read come from one first run per family."""
+state that some flags read come from one first run per family. Each built-in model is built once per set of load
+inputs and each case trains a deep copy (``tests/e2e/model_cache.py``); a case whose flags change what the loader
+receives (``--vae``, ``--v2``, a precision that changes the frozen dtype, ...) builds its own."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import train_network
 from tests.e2e.flag_examples import (
@@ -24,6 +27,7 @@ from tests.e2e.flag_examples import (
     script_parsers,
     shared_flags,
 )
+from tests.e2e.model_cache import cached_builtin_models
 
 SAMPLES = Path(__file__).resolve().parents[2] / "configs" / "sample_data"
 FLAGS = shared_flags()
@@ -60,6 +64,13 @@ def library_logs_through_root():
     for library in (diffusers_logging, transformers_logging):
         library.disable_propagation()
         library.enable_default_handler()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def models_built_once():
+    """The built-in models, built once per set of load inputs for the whole module (``tests/e2e/model_cache.py``)."""
+    with cached_builtin_models() as built:
+        yield built
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +117,26 @@ def test_flag_trains_warns_or_is_refused(family, flag, tmp_path, images, first_r
         assert code == 3 and "the weights became NaN or Inf" in err, f"exit {code}: {err[-2000:]}"
     else:
         assert code == 0, f"exit {code}: {' '.join(args)}\n{err[-3000:]}"
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_a_cached_model_is_a_fresh_copy_of_a_real_load(family, models_built_once):
+    """What a case trains is the model the loader builds, and nothing one case does to it reaches the next."""
+    from library.config import ModelConfig
+    from library.families.registry import FAMILIES, model_family
+
+    behaviour, spec = model_family(family), FAMILIES[family]
+    inputs = (ModelConfig(pretrained_model_name_or_path=TINY[family]), spec.section() if spec.section else None,
+              torch.float32)
+    first = behaviour.load(*inputs)
+    real = type(behaviour).load.__wrapped__(behaviour, *inputs).unet.state_dict()
+    with torch.no_grad():
+        for param in first.unet.parameters():
+            param.add_(1.0)
+    second = behaviour.load(*inputs).unet.state_dict()
+    assert second.keys() == real.keys() and all(second[key].equal(real[key]) for key in real)
+    moved = dict(first.unet.named_parameters())
+    assert moved and not any(moved[name].equal(real[name]) for name in moved)
 
 
 def test_every_family_has_a_tiny_model():

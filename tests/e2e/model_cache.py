@@ -1,0 +1,59 @@
+"""Built-in tiny models built once per set of load inputs and handed out as fresh deep copies, for tests that run
+the entry point many times in one process (``tests/e2e/test_every_flag.py``).
+
+Each registered family's ``ModelFamily.load`` receives the run's ``ModelConfig``, its own section, the frozen dtype
+and the file device; a built-in model (``builtin:...``, no ``--vae``) is a pure function of them (its weights come
+from a fixed seed with the caller's RNG restored: ``library/families/model_parts.seeded``), so the cache is keyed on
+all four, and any other model (a folder, a file, a replaced VAE) still loads for real every time. The copy is deep
+(nothing a run does to its model, casts, fp8 storage, LoRA injection, compilation, reaches the cached one) but for
+the tokenizers, which are shared: nothing in a run changes one (``library/`` sets no tokenizer attribute after
+loading), and their deep copy costs more than the U-Net's.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+BUILTIN = "builtin:"
+
+
+def cacheable(cfg: Any) -> bool:
+    """Whether the loader builds this model from code alone: a built-in name and no replacement VAE."""
+    name = cfg.pretrained_model_name_or_path
+    return isinstance(name, str) and name.startswith(BUILTIN) and cfg.vae is None
+
+
+@contextmanager
+def cached_builtin_models() -> Iterator[dict[str, Any]]:
+    """Within the block every registered family's ``load`` builds each built-in model once per (config, section,
+    dtype, file device) and returns a deep copy; yields the cache (keyed by the inputs' repr), emptied at the end."""
+    from transformers import PreTrainedTokenizerBase
+
+    from library.families.registry import FAMILIES, model_family
+
+    built: dict[str, Any] = {}
+
+    def caching(load):
+        @functools.wraps(load)
+        def load_once(self, cfg, section, dtype, file_device="cpu"):
+            if not cacheable(cfg):
+                return load(self, cfg, section, dtype, file_device=file_device)
+            key = repr((type(self).__name__, cfg, section, dtype, file_device))
+            if key not in built:
+                built[key] = load(self, cfg, section, dtype, file_device=file_device)
+            model = built[key]
+            shared = {id(part): part for part in vars(model).values() if isinstance(part, PreTrainedTokenizerBase)}
+            return copy.deepcopy(model, shared)
+        return load_once
+
+    with pytest.MonkeyPatch.context() as patch:
+        for family in {type(model_family(name)) for name in FAMILIES}:
+            patch.setattr(family, "load", caching(family.load))
+        yield built
+    built.clear()
