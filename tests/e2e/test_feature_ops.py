@@ -9,23 +9,28 @@ reducer copied each tensor into its flat buffer and back, with a slice and a vie
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from bench.launches import FEATURES, processes_window_ops, window_ops
+from bench.launches import FEATURES, steady_windows, window_ops
 from tests import launching
+from tests.e2e import ops_driver
 
 SCALE_WEIGHT_NORMS, PROCESSES = FEATURES[2], FEATURES[3]
 FAMILIES = ("sd", "sdxl")
 TENSORS = {"sd": 528, "sdxl": 1972}
 
 
-def _torchrun(command: list[str]) -> str:
-    """Start a counted torchrun within the tests' launch budget (``tests/launching.py``); its standard output."""
-    done = launching.launch([command], launching.launch_env(), ["one counted tiny-model run"],
-                            "the counted 2-process run of bench.launches")
+def _torchrun(out: Path) -> dict[str, list[dict]]:
+    """One counted 2-process launch (``tests/e2e/ops_driver.py``: every family in each process, in turn) within the
+    tests' launch budget (``tests/launching.py``); per family, the reports of the processes by rank."""
+    command = launching.torchrun("-m", "tests.e2e.ops_driver", str(out), "3", *FAMILIES, nproc=PROCESSES.processes)
+    done = launching.launch([command], launching.launch_env(), [f"one counted {family} run" for family in FAMILIES],
+                            "the counted 2-process runs of bench.launches")
     problem = done.problem(tail=3000)
     assert problem is None, problem
-    return done.stdout[0]
+    return ops_driver.reports(done.stdout[0], FAMILIES, PROCESSES.processes)
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +55,9 @@ def two_processes(baselines, tmp_path_factory) -> dict[str, list[float]]:
     """Per family, each process's ops per update minus the one-process run's."""
     assert PROCESSES.processes == 2 and PROCESSES.flags == PROCESSES.baseline == ()
     overheads = {}
-    for family in FAMILIES:
-        ranks = processes_window_ops(family, tmp_path_factory.mktemp(f"{family}-2"), 3, 2, run=_torchrun)
-        assert [tensors for _, _, tensors in ranks] == [TENSORS[family]] * 2
-        overheads[family] = [ops - baselines[family] for ops, _, _ in ranks]
+    for family, reports in _torchrun(tmp_path_factory.mktemp("2-processes")).items():
+        assert [report["tensors"] for report in reports] == [TENSORS[family]] * 2
+        overheads[family] = [steady_windows(report)[0] - baselines[family] for report in reports]
     return overheads
 
 

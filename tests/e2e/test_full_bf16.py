@@ -1,9 +1,9 @@
-"""End to end: full bf16, the seed's recommended flag set, fused backward, logging, divergence and resume."""
+"""End to end: full bf16, inductor, fused backward, logging, divergence and resume (the seed's recommended flag set:
+``test_compile_report.py``)."""
 
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import train_network
 from library.train.batch_loss import BatchLoss
-from tests.e2e.test_train_network import SAMPLES, train_args
+from tests.e2e.test_train_network import train_args
 
 
 def _meta(path: Path) -> dict[str, str]:
@@ -46,26 +46,9 @@ def test_full_bf16_with_a_non_rounding_optimizer_warns(tmp_path, caplog):
     assert {v.dtype for v in load_file(tmp_path / "lora.safetensors").values()} == {torch.float32}
 
 
-def test_seed_recommended_setup_runs(tmp_path):
-    """Seed 000's "Recommended Training Setup" block, all flags together.
-
-    ``--dynamo_backend eager`` instead of inductor: inductor compiles the tiny UNet for ~2 minutes on two CPU cores,
-    too long for CI; ``test_torch_compile_inductor_on_a_small_module`` covers inductor itself.
-    """
-    data = tmp_path / "data"
-    shutil.copytree(SAMPLES, data)
-    args = train_args(tmp_path / "out", "--optimizer_type=SPARKLES", "--train_batch_size=14", "--max_grad_norm=1",
-                      "--gradient_checkpointing", "--torch_compile", "--dynamo_backend=eager", "--no_half_vae",
-                      "--sdpa", "--mixed_precision=bf16", "--full_bf16", "--cache_latents", "--cache_latents_to_disk",
-                      "--max_train_steps", "2", "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "1",
-                      data=data)
-    assert train_network.main(args) == 0
-    assert len(list((data / "10_shapes").glob("*_sd.npz"))) == 8
-    ups = [v for k, v in load_file(tmp_path / "out" / "lora.safetensors").items() if k.endswith("lora_up.weight")]
-    assert any(float(v.float().abs().max()) > 0 for v in ups)
-
-
 def test_torch_compile_inductor_on_a_small_module():
+    """Inductor itself: it compiles the tiny UNet for minutes on two CPU cores, too long for CI, so the seed's setup
+    runs with ``aot_eager`` (``test_compile_report.py``)."""
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
     compiled = torch.compile(module, backend="inductor")
     x = torch.randn(4, 8)
