@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -101,6 +102,7 @@ class _FlatSum:
         self.scratch = torch.zeros(self.size, dtype=params[0].dtype, device=params[0].device)
         self.total_views = _views(self.total, params)
         self.scratch_views = _views(self.scratch, params)
+        self.starts = list(accumulate((p.numel() for p in params[:-1]), initial=0))  # each view's first element
         self.started = False  # whether ``total`` holds this window's sum
 
     def fold(self, positions: list[int], grads: list[Tensor], seed: int) -> None:
@@ -122,6 +124,23 @@ class _FlatSum:
                 end = min(start + CHUNK, self.size)
                 _add_stochastic(self.total[start:end], self.scratch[start:end], start, seed)
         self.started = True
+
+    def complete(self, positions: list[int], grads: list[Tensor], seed: int) -> list[Tensor]:
+        """``fold`` for the parameters at ``positions`` only, before the backward ends (the fused backward pass's
+        last micro-batch): the same sums, bit for bit, since each element's rounding bits depend only on its index
+        and ``seed``; returns their window sums as ``grads`` would (fp32 sum: cast into their ``scratch`` views)."""
+        totals = [self.total_views[i] for i in positions]
+        if not self.started:
+            torch._foreach_copy_(totals, grads)
+        elif self.total.dtype == torch.bfloat16:
+            _add_stochastic_pieces(totals, grads, [self.starts[i] for i in positions], seed)
+        else:
+            torch._foreach_add_(totals, grads)
+        if self.total.dtype == self.scratch.dtype:
+            return totals
+        scratch = [self.scratch_views[i] for i in positions]
+        torch._foreach_copy_(scratch, totals)
+        return scratch
 
     def grads(self) -> list[Tensor]:
         """The window's sum as per-parameter views in the parameters' dtype (fp32 sum: cast once into ``scratch``)."""
@@ -149,6 +168,40 @@ def _add_stochastic(total: Tensor, addend: Tensor, first_index: int, seed: int) 
     total.copy_(round_bits(exact, draw16(element_bits(index, seed), 0)))
 
 
+def _add_stochastic_pieces(totals: list[Tensor], addends: list[Tensor], starts: list[int], seed: int) -> None:
+    """``_add_stochastic`` on pieces of one flat sum (``starts``: their first elements' indices there), gathered into
+    one op sequence per ``CHUNK`` elements; a piece larger than ``CHUNK`` is rounded alone, a chunk at a time."""
+    batch: list[tuple[Tensor, Tensor, int]] = []
+    size = 0
+    for total, addend, start in zip(totals, addends, starts, strict=True):
+        if total.numel() > CHUNK:
+            flat_total, flat_addend = total.view(-1), addend.reshape(-1)
+            for first in range(0, total.numel(), CHUNK):
+                end = min(first + CHUNK, total.numel())
+                _add_stochastic(flat_total[first:end], flat_addend[first:end], start + first, seed)
+            continue
+        if size + total.numel() > CHUNK:
+            _add_stochastic_gathered(batch, seed)
+            batch, size = [], 0
+        batch.append((total, addend, start))
+        size += total.numel()
+    if batch:
+        _add_stochastic_gathered(batch, seed)
+
+
+def _add_stochastic_gathered(batch: list[tuple[Tensor, Tensor, int]], seed: int) -> None:
+    """``_add_stochastic`` of several (total, addend, first index) pieces at once: gathered, rounded, scattered."""
+    totals = [total for total, _, _ in batch]
+    device = totals[0].device
+    index = torch.cat([torch.arange(start, start + total.numel(), dtype=torch.int32, device=device)
+                       for total, _, start in batch])
+    exact = torch.cat([total.reshape(-1) for total in totals]).float()
+    exact.add_(torch.cat([addend.reshape(-1) for _, addend, _ in batch]))
+    rounded = round_bits(exact, draw16(element_bits(index, seed), 0))
+    pieces = rounded.split([total.numel() for total in totals])
+    torch._foreach_copy_(totals, [piece.view(total.shape) for piece, total in zip(pieces, totals, strict=True)])
+
+
 class FlatAccumulator:
     """Sums the gradients of several backwards in flat buffers at a fixed op count per backward (module docstring);
     ``sum_dtype`` bf16: seeded stochastic rounding, fp32: exact. Hooks the trainable parameters whose dtype is
@@ -167,6 +220,8 @@ class FlatAccumulator:
         self._queued_task = -1  # the autograd graph task whose end will fold ``_pending``
         self._micro = 0  # backwards folded in this window
         self._seen: set[int] = set()  # parameters with a gradient in this window
+        self._index: dict[Tensor, int] = {}  # parameter -> its index in ``_params``
+        self._completed: set[int] = set()  # parameters ``complete`` took out of this window
 
     def _hooked(self, param: Tensor) -> bool:
         if self.dtypes is None:
@@ -176,6 +231,7 @@ class FlatAccumulator:
     def assign_hooks(self, model: nn.Module) -> list[RemovableHandle]:
         """Make the flat sums (one per device and dtype) and hook each parameter; returns the handles."""
         self._params = [p for p in model.parameters() if self._hooked(p)]
+        self._index = {p: index for index, p in enumerate(self._params)}
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for index, p in enumerate(self._params):
             groups.setdefault((p.device, p.dtype), []).append(index)
@@ -190,7 +246,7 @@ class FlatAccumulator:
 
     def _record(self, index: int, param: Tensor) -> None:
         """Note that ``param`` has this backward's gradient; the backward's first such note queues the fold."""
-        if param.grad is None:
+        if param.grad is None or index in self._completed:
             return
         self._pending.append(index)
         task = torch._C._current_graph_task_id()
@@ -202,6 +258,7 @@ class FlatAccumulator:
         """At the end of a backward: fold its gradients into the flat sums (one ``_FlatSum.fold`` per group) and drop
         ``p.grad``."""
         pending, self._pending, self._queued_task = self._pending, [], -1
+        pending = [index for index in pending if index not in self._completed]
         if not pending:  # a nested backward (reentrant checkpointing) already folded them
             return
         by_group: dict[int, tuple[list[int], list[Tensor]]] = {}
@@ -218,6 +275,33 @@ class FlatAccumulator:
         self._seen.update(pending)
         self._micro += 1
 
+    def complete(self, params: list[Tensor]) -> None:
+        """Under ``--fused_backward_pass`` with accumulation (``library/train/update/fused.py``), inside the window's
+        last backward: fold this backward's gradients of ``params`` now, as ``_fold`` would at the backward's end
+        (same seed and element indices, so the same sums bit for bit), point their ``grad`` at the window's sum and
+        take them out of the window (``reassign_grad_buffer`` leaves them alone). Parameters not hooked, without a
+        gradient, or whose ``grad`` already is the window's sum (after ``reassign_grad_buffer``) are left alone."""
+        by_group: dict[int, tuple[list[int], list[int]]] = {}
+        for param in params:
+            index = self._index.get(param)
+            if index is None or param.grad is None or index in self._completed:
+                continue
+            flat, position = self._slots[index]
+            if param.grad.data_ptr() in (flat.total_views[position].data_ptr(),
+                                         flat.scratch_views[position].data_ptr()):
+                continue
+            indices, positions = by_group.setdefault(flat.number, ([], []))
+            indices.append(index)
+            positions.append(position)
+        for number, (indices, positions) in by_group.items():
+            seed = step_seed(self.seed, self.windows, number, self._micro) & _INT31
+            grads = [self._params[index].grad for index in indices]
+            sums = self._sums[number].complete(positions, grads, seed)
+            for index, total in zip(indices, sums, strict=True):
+                self._params[index].grad = total
+            self._completed.update(indices)
+            self._seen.difference_update(indices)
+
     def reassign_grad_buffer(self, model: nn.Module) -> None:
         """Point ``p.grad`` at the window's sum (a view of a flat buffer) for every parameter that got a gradient in
         the window, and start the next window. Set the gradients to None before the next backward."""
@@ -228,6 +312,7 @@ class FlatAccumulator:
         self.windows += 1
         self._micro = 0
         self._seen.clear()
+        self._completed.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """The random state between windows (sums in progress are not part of it)."""

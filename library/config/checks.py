@@ -147,9 +147,6 @@ def validate(cfg: TrainConfig) -> None:
         problems.append("--full_fp16 needs --mixed_precision fp16 (as in sd-scripts)")
     if cfg.network.network_train_unet_only and cfg.network.network_train_text_encoder_only:
         problems.append("--network_train_unet_only and --network_train_text_encoder_only exclude each other")
-    if cfg.optimizer.fused_backward_pass and cfg.schedule.gradient_accumulation_steps > 1:
-        problems.append("--fused_backward_pass steps each parameter as soon as its gradient exists, so gradients "
-                        "cannot be accumulated; use --gradient_accumulation_steps 1 or drop --fused_backward_pass")
     problems += _fused_ggpo_problems(cfg) + _family_flag_problems(cfg) + cfg.family.script_problems(cfg)
     nz, lo, m = cfg.noise, cfg.loss, cfg.model
     if nz.adaptive_noise_scale is not None and nz.noise_offset is None:

@@ -14,7 +14,11 @@
 Both fold a whole micro-batch's gradients at the end of its backward over flat buffers (one per device and dtype),
 so they dispatch a fixed number of ops per micro-batch whatever the number of LoRA tensors (issue 22).
 
-The trainer calls ``restore()`` first on every update step, before clipping reads the gradients.
+The trainer calls ``restore()`` first on every update step, before clipping reads the gradients. Under
+``--fused_backward_pass`` (``library/train/update/fused.py``) the window's last backward calls ``complete(params)`` for
+each span it steps before that: the span's sums are folded at once, bit for bit what the backward's end would fold,
+and become their ``.grad``; ``restore()`` then restores only the others. ``plain`` needs no ``complete``: autograd's
+``.grad`` already holds the sum when the post-accumulate-grad hooks see it.
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ from optimizers.stochastic_accumulator import FlatAccumulator, SeededStochasticA
 
 @dataclass
 class Accumulation:
-    """A strategy: hooks installed at construction, ``restore`` puts the window's sum into ``.grad``."""
+    """A strategy: hooks installed at construction, ``restore`` puts the window's sum into ``.grad``, ``complete``
+    that of some parameters inside the window's last backward (module docstring)."""
 
     name: str
     restore: Callable[[], None]
     handles: list = field(default_factory=list)
     state_dict: Callable[[], dict[str, Any]] = dict
     load_state_dict: Callable[[dict[str, Any]], None] = lambda state: None
+    complete: Callable[[list[torch.Tensor]], None] = lambda params: None
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -48,7 +54,8 @@ def _fp32_buffers(model: nn.Module) -> Accumulation:
     """The fp32 sum in ``FlatAccumulator``'s flat buffers: a fixed op count per micro-batch, whatever the number of
     tensors; fp32 parameters are left to autograd, whose sum of fp32 gradients is the same."""
     accumulator = FlatAccumulator(sum_dtype=torch.float32)
-    return Accumulation("fp32", lambda: accumulator.reassign_grad_buffer(model), accumulator.assign_hooks(model))
+    return Accumulation("fp32", lambda: accumulator.reassign_grad_buffer(model), accumulator.assign_hooks(model),
+                        complete=accumulator.complete)
 
 
 def build_accumulation(network: nn.Module, *, steps: int, network_dtype: torch.dtype, mode: str,
@@ -61,4 +68,5 @@ def build_accumulation(network: nn.Module, *, steps: int, network_dtype: torch.d
         return _fp32_buffers(network)
     accumulator = SeededStochasticAccumulator(seed)
     return Accumulation("stochastic", lambda: accumulator.reassign_grad_buffer(network),
-                        accumulator.assign_hooks(network), accumulator.state_dict, accumulator.load_state_dict)
+                        accumulator.assign_hooks(network), accumulator.state_dict, accumulator.load_state_dict,
+                        accumulator.complete)

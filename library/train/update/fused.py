@@ -1,5 +1,15 @@
-"""The fused backward pass (``--fused_backward_pass``, one micro-batch per update): the tensors are stepped inside
-backward, a span at a time.
+"""The fused backward pass (``--fused_backward_pass``): the tensors are stepped inside the window's last backward, a
+span at a time.
+
+With ``--gradient_accumulation_steps`` N > 1 (sd-scripts refuses the combination) the first N-1 backwards of a window
+only accumulate, as the unfused modes do (``library/train/accumulation.py``: autograd's sum in fp32 ``.grad`` for
+fp32 weights; for bf16 weights the seeded stochastic bf16 sum, 2 B/param, or the fp32 buffers of
+``--full_bf16_grad_accumulation fp32``); the hooks below are armed only for the N-th backward, which asks the
+strategy to ``complete`` each span's sums (folded at once, bit for bit what the backward's end would fold) before
+stepping it, so that backward's gradients and the window's sums of the whole network never coexist as fp32 or as
+a second copy. A window the epoch cuts short (fewer than N micro-batches: the loop updates at the epoch's end) is not
+armed: ``update()`` restores its sums and steps every span there. The counting is the loop's
+(``library/train/loop.py``): a window ends after N backwards or at ``update()``, whichever comes first.
 
 A span is a run of ``FUSED_SPAN`` consecutive tensors of the optimizer's flat layout (``SROptimizer.spans``). The
 post-accumulate-grad hooks only note arrivals on the host; when the last gradient that this backward will compute for
@@ -54,6 +64,17 @@ class FusedUpdater(Updater):
     _accumulators: list[list[Any]] = field(default_factory=list, init=False)  # each tensor's AccumulateGrad node
     _pending: dict[int, list[torch.nn.Parameter]] = field(default_factory=dict, init=False)  # span -> arrived
     _expected: list[int] | None = field(default=None, init=False)  # per span: the gradients this backward computes
+    _micro: int = field(default=0, init=False)  # backwards in this window
+    _armed: bool = field(default=False, init=False)  # whether the running backward is the window's last
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``Updater.backward``, with the hooks armed only in the window's last backward (the N-th)."""
+        self._micro += 1
+        self._armed = self._micro == self.accumulation_steps
+        try:
+            super().backward(loss)
+        finally:
+            self._armed = False
 
     def __post_init__(self) -> None:
         self._spans = self.optimizer.spans(FUSED_SPAN)
@@ -68,7 +89,9 @@ class FusedUpdater(Updater):
         """Post-accumulate-grad hook: note the arrival (host only); step the span once every gradient this
         backward computes for it is here. Which tensors backward reaches is asked of the autograd engine once per
         update, at the first arrival; a span whose arrivals the engine did not foresee (gradients from a nested,
-        reentrant backward) waits for ``update()``."""
+        reentrant backward) waits for ``update()``. Unarmed (an accumulating backward) it does nothing."""
+        if not self._armed:
+            return
         if self._expected is None:
             self._expected = [sum(map(torch._C._will_engine_execute_node, nodes)) for nodes in self._accumulators]
         span = self._span_of[param]
@@ -79,8 +102,10 @@ class FusedUpdater(Updater):
 
     def _step_span(self, span: int) -> None:
         """Clip each tensor of the span's arrived gradients, step them together, mask on the device the step of a
-        tensor whose gradient (or the loss) is non-finite, and free the gradients."""
+        tensor whose gradient (or the loss) is non-finite, and free the gradients. The accumulation strategy first
+        completes the span's window sums into ``.grad``."""
         params = self._pending.pop(span)
+        self.accumulation.complete(params)
         grads = [p.grad for p in params]
         if self.loss_scale is not None:
             torch._foreach_div_(grads, self.loss_scale.scale)
@@ -98,10 +123,17 @@ class FusedUpdater(Updater):
             p.grad = None
 
     def update(self) -> UpdateResult:
-        """The parameters were stepped inside backward; the read, the undo, the schedule and statistics remain."""
-        for span in list(self._pending):  # spans whose arrivals the engine did not foresee
-            self._step_span(span)
-        self._expected = None
+        """The parameters were stepped inside backward; the rest of the window's sums (spans whose arrivals the
+        engine did not foresee, tensors without a gradient in the last backward, a window cut short) are restored
+        and stepped here; then the read, the undo, the schedule and statistics."""
+        self._pending.clear()
+        self._expected, self._micro = None, 0
+        self.accumulation.restore()
+        for index, span in enumerate(self._spans):
+            waiting = [p for p in span if p.grad is not None]
+            if waiting:
+                self._pending[index] = waiting
+                self._step_span(index)
         steps, self._fused_steps = self._fused_steps, []
         sq_norm, self._fused_sq_norm = self._fused_sq_norm, None
         device = self.params[0].device

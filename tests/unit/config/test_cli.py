@@ -126,7 +126,6 @@ def test_output_config_round_trip_and_no_overwrite(tmp_path):
     (["--network_dropout", "1.5"], "--network_dropout 1.5: must be in [0, 1)"),
     (["--max_token_length", "100"], "must be 75, 150 or 225"),
     (["--cache_latents", "--color_aug"], "latents cannot be cached"),
-    (["--fused_backward_pass", "--gradient_accumulation_steps", "2"], "cannot be accumulated"),
 ])
 def test_cross_field_validation(extra, needle):
     cfg, _ = parse_args(BASE + extra)
