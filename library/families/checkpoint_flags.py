@@ -80,11 +80,23 @@ def checkpoint_format(section: CheckpointSaving, source: str | None) -> Checkpoi
 
 
 @dataclass(frozen=True)
+class ParamGroup:
+    """Some of a trained part's parameters at a learning rate of their own, named in the logs (``lr/<name>``)."""
+
+    name: str
+    params: tuple[Any, ...]
+    learning_rate: float
+
+
+@dataclass(frozen=True)
 class TrainedPart:
-    """One module a full fine-tuning run trains, with its name in the logs (``lr/<name>``), its learning rate, and
-    its submodules that stay frozen because the forward pass never reads them (they would get no gradient)."""
+    """One module a full fine-tuning run trains, with its name in the logs (``lr/<name>``), its learning rate, what
+    stays frozen in it (submodules the forward pass never reads, which would get no gradient, or parameters at a
+    learning rate of 0), and ``groups``: where given, the optimizer's groups of the part in its place (SDXL's
+    ``--block_lr``, one group per U-Net block)."""
 
     name: str
     module: Any
     learning_rate: float
     frozen: tuple[Any, ...] = ()
+    groups: tuple[ParamGroup, ...] = ()

@@ -1,9 +1,9 @@
 """What a full fine-tuning run trains: the model's own modules (the U-Net, and the text encoders its script's flags
 choose, ``FamilySpec.trained_parts``), presented to the loop, the update, the state and the saver as a LoRA network is
 (``networks/lora.py``): its ``state_dict`` is what ``--save_state`` stores and ``--resume`` restores,
-``prepare_optimizer_params`` gives one parameter group per trained part, ``save_weights`` writes a checkpoint in the
-chosen format (``FamilySpec.write_checkpoint``) instead of a LoRA file. So one loop, one update path and one saver
-serve both kinds of script (ARCHITECTURE.md).
+``prepare_optimizer_params`` gives one parameter group per trained part (or per named group of one),
+``save_weights`` writes a checkpoint in the chosen format (``FamilySpec.write_checkpoint``) instead of a LoRA file.
+So one loop, one update path and one saver serve both kinds of script (ARCHITECTURE.md).
 
 sd-scripts 48d368fa (``fine_tune.py``, ``train_db.py``, ``sdxl_train.py``): the trained modules get
 ``requires_grad``, everything else stays frozen in the mixed dtype; the trained ones are fp32 under plain mixed
@@ -24,7 +24,7 @@ import torch
 from library.config import TrainConfig
 from library.families import model_setup
 from library.families.base import ModelFamily
-from library.families.checkpoint_flags import CheckpointFormat, TrainedPart, checkpoint_format
+from library.families.checkpoint_flags import CheckpointFormat, ParamGroup, TrainedPart, checkpoint_format
 from library.families.precision import PrecisionPolicy
 
 log = logging.getLogger(__name__)
@@ -44,10 +44,15 @@ class TrainedModel(torch.nn.Module):
     def prepare_optimizer_params(self, text_encoder_lr: Any, unet_lr: Any, default_lr: float
                                  ) -> tuple[list[dict], list[str]]:
         """One group per trained part at its learning rate (upstream's ``{"params", "lr"}`` dicts), named as the
-        part (``lr/unet``, ``lr/text_encoder``); the LoRA arguments do not apply."""
-        groups = [{"params": [p for p in part.module.parameters() if p.requires_grad], "lr": part.learning_rate}
-                  for part in self.parts]
-        return groups, [part.name for part in self.parts]
+        part (``lr/unet``, ``lr/text_encoder``), or the part's own named groups where it has them (``lr/block3``,
+        as ``sdxl_train.py`` names them under ``--block_lr``); frozen parameters are left out. The LoRA arguments do
+        not apply."""
+        groups, names = [], []
+        for part in self.parts:
+            for group in part.groups or (ParamGroup(part.name, tuple(part.module.parameters()), part.learning_rate),):
+                groups.append({"params": [p for p in group.params if p.requires_grad], "lr": group.learning_rate})
+                names.append(group.name)
+        return groups, names
 
     def set_multiplier(self, multiplier: float) -> None:
         """A dataset's ``network_multiplier`` scales a LoRA's output; the model's own weights have none."""
@@ -78,7 +83,7 @@ def build_trained_model(record: Any, section: Any, model: Any, learning_rate: fl
             frozen.requires_grad_(False)
     count = sum(p.numel() for part in parts for p in part.module.parameters() if p.requires_grad)
     log.info("full fine-tuning: %s, %s parameters, trained in %s; checkpoints: %s",
-             ", ".join(f"{part.name} (lr {part.learning_rate})" for part in parts), f"{count:,}",
+             ", ".join(f"{part.name} (lr {_learning_rates(part)})" for part in parts), f"{count:,}",
              str(dtype).removeprefix("torch."), fmt.describe())
 
     def write(path: Path, save_dtype: torch.dtype | None, metadata: dict[str, str]) -> None:
@@ -87,6 +92,13 @@ def build_trained_model(record: Any, section: Any, model: Any, learning_rate: fl
         record.write_checkpoint(model, path, fmt, save_dtype, spec if fmt.safetensors else None, epoch, step)
 
     return TrainedModel(parts, write), any(part.module is not model.unet for part in parts)
+
+
+def _learning_rates(part: TrainedPart) -> str:
+    """The part's learning rate for the log, or its groups' (``block0 1e-05, block1 0, ...``)."""
+    if not part.groups:
+        return str(part.learning_rate)
+    return ", ".join(f"{group.name} {group.learning_rate}" for group in part.groups)
 
 
 def saved_format(cfg: TrainConfig) -> CheckpointFormat | None:

@@ -150,7 +150,7 @@ def test_sdxl_train_writes_a_diffusers_folder_with_the_chosen_text_encoder_train
 
 @pytest.mark.parametrize(("script", "family", "flags", "needle"), [
     ("fine_tune.py", "sd", ["--network_dim", "4"], "train_network.py"),
-    ("sdxl_train.py", "sdxl", ["--block_lr", ",".join(["1e-4"] * 23)], "--block_lr"),
+    ("sdxl_train.py", "sdxl", ["--block_lr", ",".join(["1e-4"] * 22)], "--block_lr: 22 values given"),
     ("train_db.py", "sd", ["--fp8_base"], "--fp8_base"),
 ])
 def test_refused_before_anything_loads(tmp_path, capsys, script, family, flags, needle):
