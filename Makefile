@@ -38,10 +38,10 @@ demo-flux: $(STAMP)
 	$(PY) -m bench.report output/demo_flux/logs --out output/demo_flux/demo_flux_lora_report.png
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 test-unit: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests/unit
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests/unit
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
