@@ -44,17 +44,18 @@ def _prints_errors() -> bool:
 def main(argv: list[str] | None = None, family: str = "sd", script: str | None = None) -> int:
     """Run the trainer for the model family called ``family`` in ``library/families/registry.py`` ("sd": this script;
     each family's entry script passes its own); ``script``: a full fine-tuning script's name (``fine_tune.py``,
-    ``train_db.py``, ``sdxl_train.py``: its record in ``SCRIPTS``), None for the family's LoRA script."""
+    ``train_db.py``, ``sdxl_train.py``: its record in ``entry_scripts()``), None for the family's LoRA script."""
     from library.base.errors import Stopped, TrainingDiverged, UserError
     from library.config.cli import parse_args, write_config_file
-    from library.families.registry import FAMILIES, SCRIPTS
+    from library.families.registry import FAMILIES, entry_scripts
     from library.runtime.console_log import setup_logging
 
     setup_logging()
     try:
         args = sys.argv[1:] if argv is None else argv
-        record = FAMILIES[family] if script is None else SCRIPTS[script]
-        cfg, explicit = parse_args(args, record, list(SCRIPTS.values()))
+        scripts = entry_scripts()
+        record = FAMILIES[family] if script is None else scripts[script]
+        cfg, explicit = parse_args(args, record, list(scripts.values()))
         # --console_log_file is the main process's; the others log their warnings to the console
         setup_logging(cfg.log if _prints_errors() else replace(cfg.log, console_log_file=None))
         if cfg.run.output_config:

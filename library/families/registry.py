@@ -1,6 +1,6 @@
 """The model families: the only list of them. Each entry is a family package's record (``<family>/spec.py``, a
 ``library/families/spec.FamilySpec``); a new family is a package beside ``sd/``, ``sdxl/`` and ``flux/``, one line
-here and its entry script; a full fine-tuning script is one more record of its family in ``SCRIPTS``. Importing
+here and its entry script; a full fine-tuning script is one more record of its family in ``FINE_TUNING``. Importing
 this module imports no torch; ``model_family`` loads the behaviour.
 """
 
@@ -18,9 +18,14 @@ from library.families.spec import FamilySpec
 
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (SD, SDXL, FLUX)}
 
-# Every entry script's record by script name: each family's LoRA script, then the full fine-tuning scripts.
-SCRIPTS: dict[str, FamilySpec] = {spec.script: spec for spec in (SD, SDXL, FLUX, SD_FINE_TUNE, SD_DREAMBOOTH,
-                                                                 SDXL_FINE_TUNE)}
+# The full fine-tuning scripts' records (each family's LoRA script is its record in ``FAMILIES``).
+FINE_TUNING: tuple[FamilySpec, ...] = (SD_FINE_TUNE, SD_DREAMBOOTH, SDXL_FINE_TUNE)
+
+
+def entry_scripts() -> dict[str, FamilySpec]:
+    """Every entry script's record by script name: each registered family's LoRA script, then the full fine-tuning
+    scripts (read at the call, so a family registered later is one of them)."""
+    return {spec.script: spec for spec in (*FAMILIES.values(), *FINE_TUNING)}
 
 
 def family_spec(name: str) -> FamilySpec:

@@ -7,13 +7,7 @@ from dataclasses import replace
 
 from library.config.dataset import BucketStep
 from library.families.checkpoint_flags import FINE_TUNE_REFUSED_FLAGS, LORA_ONLY_FLAGS
-from library.families.sd.fine_tuning import (
-    DreamBoothConfig,
-    FineTuneConfig,
-    dreambooth_parts,
-    dreambooth_problems,
-    fine_tune_parts,
-)
+from library.families.sd.config import DreamBoothConfig, FineTuneConfig, dreambooth_problems
 from library.families.spec import FamilySpec, deferred
 
 SPEC = FamilySpec(
@@ -35,7 +29,8 @@ FINE_TUNE = replace(
     "--train_text_encoder (kohya sd-scripts flags; datasets from --in_json metadata or folders).",
     trains="whole SD 1.x/2.x models (full fine-tuning)",
     section_name="fine_tune", section=FineTuneConfig, omitted_flags=LORA_ONLY_FLAGS,
-    refused_flags=FINE_TUNE_REFUSED_FLAGS, trained_parts=fine_tune_parts,
+    refused_flags=FINE_TUNE_REFUSED_FLAGS,
+    trained_parts=deferred("library.families.sd.fine_tuning", "fine_tune_parts"),
     write_checkpoint=deferred("library.families.sd.checkpoint_files", "write_sd_checkpoint"),
 )
 DREAMBOOTH = replace(
@@ -43,5 +38,5 @@ DREAMBOOTH = replace(
     description="DreamBooth: fine-tune a Stable Diffusion 1.x/2.x model's U-Net and text encoder on folders of "
     "images, with regularization images (kohya sd-scripts flags).",
     section_name="dreambooth", section=DreamBoothConfig, script_problems=dreambooth_problems,
-    trained_parts=dreambooth_parts,
+    trained_parts=deferred("library.families.sd.fine_tuning", "dreambooth_parts"),
 )

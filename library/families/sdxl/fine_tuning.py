@@ -1,5 +1,4 @@
-"""SDXL's full fine-tuning script, ``sdxl_train.py``, with sd-scripts' flags (48d368fa, ``sdxl_train.setup_parser``)
-and what it trains.
+"""What SDXL's full fine-tuning script, ``sdxl_train.py``, trains (its flags and checks: ``config.py``).
 
 As upstream: the U-Net trains when ``--learning_rate`` is not 0; with ``--train_text_encoder`` each text encoder
 trains when its learning rate (``--learning_rate_te1`` / ``--learning_rate_te2``, default ``--learning_rate``) is
@@ -23,48 +22,19 @@ with clipping active the other blocks' updates differ from upstream's.
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from library.base.errors import UserError
-from library.config.fields import flag
-from library.families.checkpoint_flags import CheckpointSaving, ParamGroup, TrainedPart
-from library.families.sdxl.config import SDXLConfig
+from library.families.checkpoint_flags import ParamGroup, TrainedPart
+from library.families.sdxl.config import BLOCK_LR_COUNT, SDXLFineTuneConfig, parse_block_lr
 from networks.unet_names import unet_key_map
-
-if TYPE_CHECKING:
-    from library.config.sections import TrainConfig
 
 log = logging.getLogger(__name__)
 
-BLOCK_LR_COUNT = 23  # sdxl_train.py: time/label embedding, 9 input blocks, 3 middle, 9 output blocks, out
 # The first block index of each top-level module of upstream's SGM U-Net; the numbered ones add their number.
 _FIRST_BLOCK = {"time_embed": 0, "label_emb": 0, "input_blocks": 1, "middle_block": 10, "output_blocks": 13, "out": 22}
 _NUMBERED = ("input_blocks", "middle_block", "output_blocks")
 _INPUT_CONV_BLOCK = 1  # conv_in: not frozen at lr 0 (module docstring: PyTorch's CPU GroupNorm backward)
-
-
-@dataclass
-class SDXLFineTuneConfig(SDXLConfig, CheckpointSaving):
-    """sdxl_train.py only: caching, what is trained at which learning rate, and how the model is saved."""
-
-    cache_text_encoder_outputs: bool = flag(
-        False, "encode every caption once with both text encoders and train from the cached outputs (the text "
-        "encoders stay frozen: not with --train_text_encoder; captions that do not change: no shuffle, dropout, "
-        "warm-up or wildcards)")
-    train_text_encoder: bool = flag(False, "train the text encoders too (each whose learning rate is not 0)")
-    learning_rate_te1: float | None = flag(None, "learning rate of text encoder 1, CLIP ViT-L (default: "
-                                           "--learning_rate; 0: not trained)")
-    learning_rate_te2: float | None = flag(None, "learning rate of text encoder 2, OpenCLIP ViT-bigG (default: "
-                                           "--learning_rate; 0: not trained)")
-    diffusers_xformers: bool = flag(False, "xformers attention in the U-Net and VAE where xformers runs (a CUDA "
-                                    "device), as --xformers; PyTorch's scaled-dot-product attention otherwise")
-    block_lr: str | None = flag(None, f"learning rates of the U-Net's {BLOCK_LR_COUNT} blocks, comma-separated: "
-                                "time/size embeddings, 9 input blocks, 3 middle, 9 output blocks, output layer (0: "
-                                "that block stays frozen)")
-    fused_optimizer_groups: int | None = flag(None, "number of optimizers stepped during the backward pass (not "
-                                              "available in this trainer yet; use --fused_backward_pass)")
 
 
 def sdxl_fine_tune_parts(model: Any, section: SDXLFineTuneConfig, learning_rate: float) -> list[TrainedPart]:
@@ -82,28 +52,6 @@ def sdxl_fine_tune_parts(model: Any, section: SDXLFineTuneConfig, learning_rate:
         if lr != 0:
             parts.append(TrainedPart(name, module, lr, frozen))
     return parts
-
-
-def parse_block_lr(text: str) -> list[float]:
-    """``--block_lr``'s learning rates (``sdxl_train.py`` splits at commas and asserts 23 of them); a ``ValueError``
-    naming the flag for another count or for a value that is not a finite number >= 0."""
-    items = [item.strip() for item in text.split(",")]
-    if len(items) != BLOCK_LR_COUNT:
-        given = f"{len(items)} value{'' if len(items) == 1 else 's'}"
-        raise ValueError(f"--block_lr: {given} given; SDXL's U-Net has {BLOCK_LR_COUNT} blocks: the time and size "
-                         "embeddings, 9 input blocks, 3 middle blocks, 9 output blocks and the output layer, one "
-                         "learning rate each, comma-separated (0: that block is not trained)")
-    values = []
-    for index, item in enumerate(items):
-        try:
-            value = float(item)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"--block_lr: value {index} ({item!r}, block{index}) is not a learning rate; give "
-                             f"{BLOCK_LR_COUNT} finite numbers >= 0, comma-separated")
-        values.append(value)
-    return values
 
 
 def sgm_block(sgm_name: str) -> int | None:
@@ -152,30 +100,3 @@ def _unet_part(unet: Any, block_lr: str | None, learning_rate: float) -> list[Tr
     frozen = tuple(param for i, (params, lr) in enumerate(pairs) if lr == 0 and i != _INPUT_CONV_BLOCK
                    for param in params)
     return [TrainedPart("unet", unet, learning_rate, frozen, groups)] if groups else []
-
-
-def sdxl_fine_tune_problems(cfg: TrainConfig) -> list[str]:
-    """What ``sdxl_train.py`` refuses: cached text encoder outputs with trained text encoders (upstream asserts
-    the same), a ``--block_lr`` that is not 23 learning rates (upstream asserts the count) or that trains nothing,
-    and the flags this trainer does not implement yet."""
-    section, problems = cfg.family_config, []
-    if section.caches_text_encoder_outputs and section.train_text_encoder:
-        problems.append(f"{section.caching_flag}: trained text encoders cannot train from cached outputs; drop "
-                        "--train_text_encoder or the caching flag (as sd-scripts requires)")
-    if section.block_lr:
-        problems.extend(_block_lr_problems(section))
-    if section.fused_optimizer_groups is not None:
-        problems.append("--fused_optimizer_groups: not available in this trainer yet; --fused_backward_pass steps "
-                        "each tensor during the backward pass, with every optimizer")
-    return problems
-
-
-def _block_lr_problems(section: SDXLFineTuneConfig) -> list[str]:
-    try:
-        lrs = parse_block_lr(section.block_lr)
-    except ValueError as error:
-        return [str(error)]
-    if not any(lrs) and not section.train_text_encoder:
-        return ["--block_lr: every block is at 0 and no text encoder trains, so nothing would train; give a block a "
-                "learning rate, or train the text encoders with --train_text_encoder"]
-    return []

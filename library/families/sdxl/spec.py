@@ -7,8 +7,14 @@ from dataclasses import replace
 
 from library.config.dataset import BucketStep
 from library.families.checkpoint_flags import FINE_TUNE_REFUSED_FLAGS, LORA_ONLY_FLAGS
-from library.families.sdxl.config import IGNORED_FLAGS, REFUSED_FLAGS, SDXLConfig, sdxl_script_problems
-from library.families.sdxl.fine_tuning import SDXLFineTuneConfig, sdxl_fine_tune_parts, sdxl_fine_tune_problems
+from library.families.sdxl.config import (
+    IGNORED_FLAGS,
+    REFUSED_FLAGS,
+    SDXLConfig,
+    SDXLFineTuneConfig,
+    sdxl_fine_tune_problems,
+    sdxl_script_problems,
+)
 from library.families.spec import FamilySpec, deferred
 
 SPEC = FamilySpec(
@@ -33,6 +39,6 @@ FINE_TUNE = replace(
     trains="whole SDXL models (full fine-tuning)",
     section_name="sdxl_fine_tune", section=SDXLFineTuneConfig, script_problems=sdxl_fine_tune_problems,
     omitted_flags=LORA_ONLY_FLAGS, refused_flags={**REFUSED_FLAGS, **FINE_TUNE_REFUSED_FLAGS},
-    trained_parts=sdxl_fine_tune_parts,
+    trained_parts=deferred("library.families.sdxl.fine_tuning", "sdxl_fine_tune_parts"),
     write_checkpoint=deferred("library.families.sdxl.checkpoint_files", "write_sdxl_checkpoint"),
 )

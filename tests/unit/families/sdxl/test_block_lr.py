@@ -17,13 +17,8 @@ import pytest
 import torch
 
 from library.families.checkpoint_flags import CheckpointFormat
-from library.families.sdxl.fine_tuning import (
-    SDXLFineTuneConfig,
-    parse_block_lr,
-    sdxl_fine_tune_parts,
-    sdxl_fine_tune_problems,
-    unet_blocks,
-)
+from library.families.sdxl.config import SDXLFineTuneConfig, parse_block_lr, sdxl_fine_tune_problems
+from library.families.sdxl.fine_tuning import sdxl_fine_tune_parts, unet_blocks
 from library.train.full_model import build_trained_model
 from networks.unet_names import unet_key_map
 
