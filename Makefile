@@ -3,7 +3,8 @@
 # one with flux_train_network.py; `make test-unit` runs tests/unit alone (the quick check while working: whole runs
 # and launches are in tests/e2e; `make test`, with both, is what CI runs).
 # Each (re)creates .venv from requirements.txt when it is missing or requirements.txt changed. The tests run in
-# TEST_WORKERS processes (pytest-xdist; default 2, one per core of the 2-core CI machine, each test single-threaded);
+# TEST_WORKERS processes (pytest-xdist; default 2, one per core of the 2-core CI machine, each test single-threaded),
+# each test module (or class) on one worker, so that its module-scoped setup (a launch, a baseline run) runs once;
 # TEST_WORKERS=0 runs them in this process.
 
 PYTHON ?= python3
@@ -38,10 +39,10 @@ demo-flux: $(STAMP)
 	$(PY) -m bench.report output/demo_flux/logs --out output/demo_flux/demo_flux_lora_report.png
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests
 
 test-unit: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests/unit
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests/unit
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
