@@ -23,15 +23,18 @@ import os
 import signal
 import sys
 from dataclasses import replace
+from typing import Any
 
 
-def _interrupt_on_sigterm() -> None:
-    """Treat SIGTERM like Ctrl-C, so that both stop the run between atomic writes."""
+def _interrupt_on_sigterm() -> Any:
+    """Treat SIGTERM like Ctrl-C, so that both stop the run between atomic writes; returns the handler it replaced
+    (``main`` puts it back when the run ends, so that a program calling ``main``, and processes it forks later,
+    keep their own)."""
 
     def handler(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, handler)
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _prints_errors() -> bool:
@@ -70,8 +73,11 @@ def main(argv: list[str] | None = None, family: str = "sd", script: str | None =
         if cfg.precision.mixed_precision == "bf16":
             use_huge_pages()  # before the model is loaded: its first large allocation reads the setting
         keep_freed_host_memory()
-        _interrupt_on_sigterm()
-        result = run(cfg)
+        previous = _interrupt_on_sigterm()
+        try:
+            result = run(cfg)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     except UserError as exc:
         for message in exc.messages if _prints_errors() else []:
             print(f"error: {message}", file=sys.stderr)

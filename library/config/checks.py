@@ -130,7 +130,8 @@ def validate(cfg: TrainConfig) -> None:
         problems.append(f"--pretrained_model_name_or_path is required; {cfg.family.script} "
                         f"takes: {cfg.family.model_help}")
     if not cfg.save.output_dir and not cfg.data.debug_dataset:
-        problems.append("--output_dir is required: the folder where the LoRA is written")
+        written = "the checkpoints are" if cfg.family.trained == "model" else "the LoRA is"
+        problems.append(f"--output_dir is required: the folder where {written} written")
     name = cfg.save.output_name
     if name is not None and (name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0"))):
         problems.append(f"--output_name {name!r}: must be a plain file name (no folders, no \"..\"), since the files "
