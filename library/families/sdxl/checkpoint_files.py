@@ -13,21 +13,18 @@ from typing import Any
 
 import torch
 
-from library.base.files import replace_folder
-from library.families.checkpoint_files import write_single_file
+from library.families.checkpoint_files import write_checkpoint
 from library.families.checkpoint_flags import CheckpointFormat
-from library.families.model_files import CONFIG_METADATA_KEY
 
 
 def write_sdxl_checkpoint(model: Any, path: Path, fmt: CheckpointFormat, dtype: torch.dtype | None,
                           metadata: dict[str, str] | None, epoch: int, step: int) -> None:
     """Write the SDXL ``model`` at ``path`` in ``fmt`` (``dtype``: ``--save_precision``, None: as trained)."""
     from library.families.sdxl.single_file import sdxl_config_name, to_sdxl_single_file_state
-
-    if fmt.single_file:
-        meta = {**(metadata or {}), CONFIG_METADATA_KEY: sdxl_config_name(model)}
-        write_single_file(to_sdxl_single_file_state(model, dtype), path, fmt, meta, epoch, step)
-        return
     from library.families.sdxl.tiny_files import save_sdxl_diffusers_folder
 
-    replace_folder(path, lambda folder: save_sdxl_diffusers_folder(model, folder, safe_serialization=fmt.safetensors))
+    write_checkpoint(path, fmt, metadata, epoch, step,
+                     single_file_state=lambda: to_sdxl_single_file_state(model, dtype),
+                     config_name=sdxl_config_name(model),
+                     save_folder=lambda folder, safe: save_sdxl_diffusers_folder(model, folder,
+                                                                                 safe_serialization=safe))
