@@ -12,7 +12,7 @@ as upstream does).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from library.config.fields import flag
@@ -34,6 +34,15 @@ FINE_TUNE_REFUSED_FLAGS = {
     "fp8_base": "--fp8_base stores frozen weights in fp8, but full fine-tuning trains the denoiser's weights; use "
                 "--full_bf16 (bf16 weights with stochastically rounded updates) to halve their memory",
 }
+
+
+def fine_tuning_record(lora: Any, **fields: Any) -> Any:
+    """The record of a full fine-tuning script of ``lora``'s family (``lora``: its LoRA script's ``FamilySpec``):
+    the family's facts with ``trained="model"``, without the LoRA-only flags, refusing what the LoRA script refuses
+    and ``FINE_TUNE_REFUSED_FLAGS``, and the script's own ``fields`` (script name, help, section, what it trains, its
+    checkpoint writer)."""
+    return replace(lora, trained="model", omitted_flags=LORA_ONLY_FLAGS,
+                   refused_flags={**lora.refused_flags, **FINE_TUNE_REFUSED_FLAGS}, **fields)
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from library.config.dataset import BucketStep
-from library.families.checkpoint_flags import FINE_TUNE_REFUSED_FLAGS, LORA_ONLY_FLAGS
+from library.families.checkpoint_flags import fine_tuning_record
 from library.families.sd.config import DreamBoothConfig, FineTuneConfig, dreambooth_problems
 from library.families.spec import FamilySpec, deferred
 
@@ -23,13 +23,12 @@ SPEC = FamilySpec(
     latent_suffix="_sd",  # SdSdxlLatentsCachingStrategy.SD_LATENTS_NPZ_SUFFIX
 )
 
-FINE_TUNE = replace(
-    SPEC, script="fine_tune.py", trained="model",
+FINE_TUNE = fine_tuning_record(
+    SPEC, script="fine_tune.py",
     description="Fine-tune a Stable Diffusion 1.x/2.x model: all weights of its U-Net, and of its text encoder with "
     "--train_text_encoder (kohya sd-scripts flags; datasets from --in_json metadata or folders).",
     trains="whole SD 1.x/2.x models (full fine-tuning)",
-    section_name="fine_tune", section=FineTuneConfig, omitted_flags=LORA_ONLY_FLAGS,
-    refused_flags=FINE_TUNE_REFUSED_FLAGS,
+    section_name="fine_tune", section=FineTuneConfig,
     trained_parts=deferred("library.families.sd.fine_tuning", "fine_tune_parts"),
     write_checkpoint=deferred("library.families.sd.checkpoint_files", "write_sd_checkpoint"),
 )

@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from library.config.dataset import BucketStep
-from library.families.checkpoint_flags import FINE_TUNE_REFUSED_FLAGS, LORA_ONLY_FLAGS
+from library.families.checkpoint_flags import fine_tuning_record
 from library.families.sdxl.config import (
     IGNORED_FLAGS,
     REFUSED_FLAGS,
@@ -32,13 +30,12 @@ SPEC = FamilySpec(
     ignored_flags=IGNORED_FLAGS, refused_flags=REFUSED_FLAGS,
 )
 
-FINE_TUNE = replace(
-    SPEC, script="sdxl_train.py", trained="model",
+FINE_TUNE = fine_tuning_record(
+    SPEC, script="sdxl_train.py",
     description="Fine-tune a Stable Diffusion XL model: all weights of its U-Net, and of its text encoders with "
     "--train_text_encoder (kohya sd-scripts flags; folders or --in_json metadata).",
     trains="whole SDXL models (full fine-tuning)",
     section_name="sdxl_fine_tune", section=SDXLFineTuneConfig, script_problems=sdxl_fine_tune_problems,
-    omitted_flags=LORA_ONLY_FLAGS, refused_flags={**REFUSED_FLAGS, **FINE_TUNE_REFUSED_FLAGS},
     trained_parts=deferred("library.families.sdxl.fine_tuning", "sdxl_fine_tune_parts"),
     write_checkpoint=deferred("library.families.sdxl.checkpoint_files", "write_sdxl_checkpoint"),
 )
