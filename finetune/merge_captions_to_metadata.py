@@ -40,24 +40,14 @@ def setup_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from library.base.errors import UserError
-    from library.data.metadata_json import merge_texts
+    from library.data.metadata_json import merge_command
     from library.runtime.console_log import setup_logging
 
     setup_logging()
     args = setup_parser().parse_args(argv)
-    extension, flag = args.caption_extension, "--caption_extension"
     if args.caption_extention is not None:
-        extension, flag = args.caption_extention, "--caption_extention"
-    in_json = Path(args.in_json) if args.in_json is not None else None
-    try:
-        merge_texts(Path(args.train_data_dir), Path(args.out_json), in_json, extension, "caption", flag=flag,
-                    full_path=args.full_path, recursive=args.recursive, echo=log.info if args.debug else None)
-    except UserError as exc:
-        for message in exc.messages:
-            print(f"error: {message}", file=sys.stderr)
-        return exc.exit_code
-    return 0
+        return merge_command(args, "caption", args.caption_extention, "--caption_extention", log.info)
+    return merge_command(args, "caption", args.caption_extension, "--caption_extension", log.info)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from library.base.errors import UserError
 from library.base.files import write_bytes_atomic
@@ -120,3 +122,19 @@ def merge_texts(folder: Path, out_json: Path, in_json: Path | None, extension: s
         if echo is not None:
             echo(f"{key} {text}")
     write_metadata(out_json, metadata)
+
+
+def merge_command(args: Any, field: str, extension: str, flag: str, echo: Callable[[str], None]) -> int:
+    """The body of both merge tools (``finetune/merge_captions_to_metadata.py``, ``merge_dd_tags_to_metadata.py``)
+    on their parsed ``args``: ``merge_texts`` of ``field`` from ``extension`` files (``flag`` names the option that
+    gave it), with ``--debug``'s lines to ``echo``; 0 when written, else each problem printed as ``error: ...`` and
+    exit code 2 (nothing written)."""
+    in_json = Path(args.in_json) if args.in_json is not None else None
+    try:
+        merge_texts(Path(args.train_data_dir), Path(args.out_json), in_json, extension, field, flag=flag,
+                    full_path=args.full_path, recursive=args.recursive, echo=echo if args.debug else None)
+    except UserError as exc:
+        for message in exc.messages:
+            print(f"error: {message}", file=sys.stderr)
+        return exc.exit_code
+    return 0
