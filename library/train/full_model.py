@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from library.base.errors import UserError
 from library.config import TrainConfig
 from library.families import model_setup
 from library.families.base import ModelFamily
@@ -72,8 +73,6 @@ def build_trained_model(record: Any, section: Any, model: Any, learning_rate: fl
     trained-weight dtype), and wrap them; also whether a text encoder trains."""
     parts = record.trained_parts(model, section, learning_rate)
     if not parts:
-        from library.base.errors import UserError
-
         raise UserError("nothing is trained: --learning_rate 0 freezes the U-Net; give a learning rate, or train the "
                         "text encoders with --train_text_encoder")
     for part in parts:
