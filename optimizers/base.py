@@ -96,8 +96,10 @@ class SROptimizer(Optimizer):
 
     Subclasses give ``state_names``, ``rules`` (row statistics they need), ``scalars`` (the per-tensor floats of a
     step) and ``update`` (the arithmetic, on a ``Batch``). ``compiled``: None (default) runs the update through
-    ``torch.compile`` for spans of at least ``AUTO_NUMEL`` elements (falling back to eager with a warning if
-    compiling fails); True always compiles and raises on failure; False never compiles.
+    ``torch.compile`` for flat layouts (a group's tensors of one device and dtype) of at least ``AUTO_NUMEL`` elements,
+    also when ``step_span`` steps a part of one, so that stepping a layout span by span (the fused backward pass) runs
+    the kernels of the whole step and gives its bits (compiled and eager kernels may round differently); falling back
+    to eager with a warning if compiling fails. True always compiles and raises on failure; False never compiles.
     ``decides_on_device``: ``step(apply=...)`` leaves every weight and state value as it was where ``apply`` is
     False and reads nothing on the host, so a trainer may step before it knows whether the gradients were finite.
     """
@@ -222,7 +224,7 @@ class SROptimizer(Optimizer):
 
     def run(self, kernel: Callable[..., Any], batch: Batch, *args: Any) -> Any:
         """Call ``kernel`` on ``batch``'s tensors, compiled or eagerly, as ``compiled`` says."""
-        numel, device = batch.numel, batch.layout.device
+        numel, device = batch.layout.p_flat.numel(), batch.layout.device  # the layout's, not the span's (class doc)
         use = self.compiled is True or (self.compiled is None and not self._compile_failed and numel >= AUTO_NUMEL)
         if use:
             try:
@@ -315,7 +317,6 @@ class Batch:
         self.tables = Tables(floats, seeds, owner, layout.chunk_base[span.c0:span.c1], layout.column)
         self.masked = apply is not None or len(active) < span.t1 - span.t0
         self.rounding = optimizer.rounding(group, layout.dtype)
-        self.numel = (span.c1 - span.c0) * layout.chunk
 
     def rows(self, kind: str) -> Rows:
         return self.layout.rows(kind, self.span)

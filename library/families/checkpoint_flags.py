@@ -29,16 +29,10 @@ LORA_ONLY_FLAGS = frozenset({
     "training_comment", "save_model_as",
 })
 
-# Shared flags a full fine-tuning script refuses when set: the trained weights cannot be stored in fp8; and the fused
-# backward pass, which steps the model's own weights while the backward pass still runs, does not yet give the
-# unfused step (fine_tune.py on the tiny model in fp32: 871 of 1124 tensors differ, by up to 1.6e-3 at lr 1e-3;
-# a LoRA's fused step equals its unfused one bit for bit).
+# Shared flags a full fine-tuning script refuses when set: the trained weights cannot be stored in fp8.
 FINE_TUNE_REFUSED_FLAGS = {
     "fp8_base": "--fp8_base stores frozen weights in fp8, but full fine-tuning trains the denoiser's weights; use "
                 "--full_bf16 (bf16 weights with stochastically rounded updates) to halve their memory",
-    "fused_backward_pass": "--fused_backward_pass is not available for full fine-tuning yet (its step of the "
-                           "model's own weights does not yet equal the unfused one); drop it (--full_bf16 with "
-                           "StochasticAdamW keeps the weights and optimizer state in bf16)",
 }
 
 
