@@ -13,6 +13,7 @@ modules (``networks.lora``, ``networks.lora_fa``, ``networks.lycoris_adapter``) 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from library.base.errors import UserError
-from library.base.files import write_bytes_atomic, write_file_atomic
+from library.base.files import write_file_atomic
 
 __all__ = ["cast_for_saving", "load_weights_file", "module_ranks", "safetensors_hashes", "save_weights_file",
            "weights_shapes"]
@@ -116,20 +117,32 @@ def module_ranks(file: str | os.PathLike[str] | None, weights_sd: Mapping[str, t
     return weights_sd, dims, alphas
 
 
-def safetensors_hashes(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[str, str]:
-    """``(sshs_model_hash, sshs_legacy_hash)`` as sd-scripts' ``precalculate_safetensors_hashes``.
-
-    Both hash the safetensors serialisation with only the ``ss_*`` metadata: the model hash is sha256 of the
-    bytes after the header (the tensor payload, the same in the final file), the legacy hash the first 8 hex chars
-    of sha256 of the 64 KiB at offset 1 MiB, i.e. of nothing (``e3b0c442``) for files under 1 MiB.
-    """
-    from safetensors.torch import save
-
-    data = save(dict(state_dict), {k: v for k, v in metadata.items() if k.startswith("ss_")})
-    header_len = int.from_bytes(data[:8], "little")
-    model_hash = hashlib.sha256(data[8 + header_len:]).hexdigest()
-    legacy_hash = hashlib.sha256(data[0x100000:0x100000 + 0x10000]).hexdigest()[:8]
+def safetensors_hashes(serialised: bytes) -> tuple[str, str]:
+    """``(sshs_model_hash, sshs_legacy_hash)`` of ``serialised``, the safetensors serialisation with only the ``ss_*``
+    metadata, as sd-scripts' ``precalculate_safetensors_hashes``: the model hash is sha256 of the bytes after the
+    header (the tensor payload, the same in the final file), the legacy hash the first 8 hex chars of sha256 of the
+    64 KiB at offset 1 MiB, i.e. of nothing (``e3b0c442``) for files under 1 MiB."""
+    model_hash = hashlib.sha256(payload(serialised)).hexdigest()
+    legacy_hash = hashlib.sha256(serialised[0x100000:0x100000 + 0x10000]).hexdigest()[:8]
     return model_hash, legacy_hash
+
+
+def payload(serialised: bytes) -> memoryview:
+    """The tensor bytes of a safetensors serialisation (what follows its header)."""
+    return memoryview(serialised)[8 + int.from_bytes(serialised[:8], "little"):]
+
+
+def header_with_metadata(serialised: bytes, metadata: Mapping[str, str]) -> bytes:
+    """The header (length and JSON) of ``serialised`` (safetensors bytes) with ``metadata`` as its ``__metadata__``,
+    written as the safetensors library writes one (compact JSON, ``__metadata__`` first, UTF-8 unescaped, spaces up to
+    a multiple of 8 bytes): followed by ``payload(serialised)`` it is what ``safetensors.torch.save`` gives with that
+    metadata, without serialising the tensors again."""
+    header_len = int.from_bytes(serialised[:8], "little")
+    tensors = {k: v for k, v in json.loads(serialised[8:8 + header_len]).items() if k != "__metadata__"}
+    header = json.dumps({"__metadata__": dict(metadata), **tensors}, separators=(",", ":"), ensure_ascii=False)
+    encoded = header.encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    return len(encoded).to_bytes(8, "little") + encoded
 
 
 def cast_for_saving(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -156,7 +169,9 @@ def save_weights_file(state_dict: Mapping[str, torch.Tensor], file: str | os.Pat
         from safetensors.torch import save
 
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-        meta["sshs_model_hash"], meta["sshs_legacy_hash"] = safetensors_hashes(state_dict, meta)
-        write_bytes_atomic(path, save(dict(state_dict), meta))
+        hashed = save(dict(state_dict), {k: v for k, v in meta.items() if k.startswith("ss_")})
+        meta["sshs_model_hash"], meta["sshs_legacy_hash"] = safetensors_hashes(hashed)
+        header = header_with_metadata(hashed, meta)
+        write_file_atomic(path, lambda f: (f.write(header), f.write(payload(hashed))))
     else:
         write_file_atomic(path, lambda f: torch.save(dict(state_dict), f))

@@ -55,6 +55,36 @@ def test_safetensors_metadata_and_hashes(trained, tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.parametrize("meta", [
+    {},
+    {"other": "x"},
+    {"ss_a": "1", "modelspec.title": 'café "x" \\ / \n\t\x01\x7f 日本 \U0001f600', "ss_tags": json.dumps({"a b": 3})},
+], ids=["none", "no-ss", "escapes"])
+def test_a_safetensors_file_is_what_the_safetensors_library_writes(tmp_path, meta):
+    """The file is written from one serialisation (the hashed one, its header rewritten): what
+    ``safetensors.torch.save`` gives for the tensors with the full metadata, hashes included: the same header once
+    parsed (the library orders metadata keys at random; ours keeps the caller's order), padded to 8 bytes, and the
+    same tensor bytes."""
+    from safetensors.torch import save
+
+    from networks.lora_format import save_weights_file
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"b.lora_up.weight": torch.randn(5, 3, generator=generator).half(), "a.alpha": torch.tensor(2.0),
+               "a.lora_down.weight": torch.randn(3, 7, generator=generator).to(torch.bfloat16)}
+    file = tmp_path / "x.safetensors"
+    save_weights_file(tensors, file, meta)
+    data, n, header = read_header(file)
+    hashes = {k: v for k, v in header["__metadata__"].items() if k.startswith("sshs_")}
+    assert set(hashes) == {"sshs_model_hash", "sshs_legacy_hash"}
+    expected = save(tensors, {**meta, **hashes})
+    expected_n = struct.unpack("<Q", expected[:8])[0]
+    assert header == json.loads(expected[8:8 + expected_n]) and list(header["__metadata__"])[:len(meta)] == list(meta)
+    assert n % 8 == 0 and n == expected_n and data[8 + n:] == expected[8 + expected_n:]
+    with safe_open(str(file), "pt") as f:
+        assert f.metadata() == {**meta, **hashes}
+
+
 def test_legacy_hash_of_a_file_over_one_mib(make_tiny, tmp_path):
     model = make_tiny()
     net = lora.create_network(1.0, 32, 1, model.vae, model.text_encoder, model.unet)
