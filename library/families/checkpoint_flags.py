@@ -101,11 +101,13 @@ class ParamGroup:
 class TrainedPart:
     """One module a full fine-tuning run trains, with its name in the logs (``lr/<name>``), its learning rate, what
     stays frozen in it (submodules the forward pass never reads, which would get no gradient, or parameters at a
-    learning rate of 0), and ``groups``: where given, the optimizer's groups of the part in its place (SDXL's
-    ``--block_lr``, one group per U-Net block)."""
+    learning rate of 0), ``groups``: where given, the optimizer's groups of the part in its place (SDXL's
+    ``--block_lr``, one group per U-Net block), and ``updates``: where given, the part trains for that many updates
+    only (``train_db.py --stop_text_encoder_training``)."""
 
     name: str
     module: Any
     learning_rate: float
     frozen: tuple[Any, ...] = ()
     groups: tuple[ParamGroup, ...] = ()
+    updates: int | None = None

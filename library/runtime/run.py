@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from library.saving.trajectory import optimizer_label, trajectory
 from library.train import full_model, network_setup, optimizer_setup
 from library.train.accumulation import build_accumulation
 from library.train.batch_loss import BatchLoss
+from library.train.cadence import Hook
 from library.train.loop import LoopResult, train_loop
 from library.train.loss_scale import DynamicLossScale
 from library.train.position import Position, SampleHooks, SaveHooks
@@ -140,13 +141,15 @@ class Trainer:
     last: Path  # the final LoRA file
     show_progress: bool
     after_first_update: Callable[[], None] | None = None  # --torch_compile's report of the compilation's time
+    stop_hooks: list[Hook] = field(default_factory=list)  # parts of a full fine-tuning that stop training part-way
 
     def train(self) -> LoopResult:
         try:
             return train_loop(data=self.data, batch_loss=self.batch_loss, updater=self.updater, plan=self.plan,
                               saves=self.saves, samples=self.samples, tracker=self.tracker, lr_values=self.lr_values,
                               on_epoch_start=self.on_epoch_start, start=self.start, validation=self.validation,
-                              show_progress=self.show_progress, after_first_update=self.after_first_update)
+                              show_progress=self.show_progress, after_first_update=self.after_first_update,
+                              stop_hooks=self.stop_hooks)
         except TrainingDiverged as exc:
             raise TrainingDiverged(f"{exc}; {_last_good(self.saver, self.last, exc.weights_intact)}",
                                    weights_intact=exc.weights_intact) from None
@@ -390,4 +393,5 @@ def _trainer(cfg: TrainConfig, ready: Prepared, models: Models, optimization: Op
         lr_values=optimization.lr_values, accumulation=optimization.accumulation,
         on_epoch_start=lambda epoch: network.on_epoch_start(family.network_text_encoder(model), model.unet),
         last=saver.lora_path(ready.names.last), show_progress=processes.is_main,
-        after_first_update=models.compile_clock.first_update_done if models.compile_clock else None)
+        after_first_update=models.compile_clock.first_update_done if models.compile_clock else None,
+        stop_hooks=network.stop_hooks(ready.start.step) if isinstance(network, full_model.TrainedModel) else [])

@@ -27,6 +27,7 @@ from library.families import model_setup
 from library.families.base import ModelFamily
 from library.families.checkpoint_flags import CheckpointFormat, ParamGroup, TrainedPart, checkpoint_format
 from library.families.precision import PrecisionPolicy
+from library.train.cadence import Hook
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,23 @@ class TrainedModel(torch.nn.Module):
 
     def on_epoch_start(self, text_encoder: Any, unet: Any) -> None:
         """Nothing to switch per epoch (a LoRA network sets its training mode here)."""
+
+    def stop_hooks(self, start_step: int) -> list[Hook]:
+        """The loop's hooks that stop training a part after its ``updates`` (``train_db.py
+        --stop_text_encoder_training N``): run after update N, before the next micro-batch, as upstream freezes the
+        part when ``global_step`` reaches N. A part whose N is already behind ``start_step`` (a resumed run) is
+        frozen now. A frozen part gets no gradient, so the optimizer leaves its weights and state alone."""
+        for part in self.parts:
+            if part.updates is not None and part.updates <= start_step:
+                self._stop(part, start_step)
+        return [Hook(lambda pos, _, n=part.updates: pos.step == n,
+                     lambda pos, _, part=part: self._stop(part, pos.step))
+                for part in self.parts if part.updates is not None and part.updates > start_step]
+
+    @staticmethod
+    def _stop(part: TrainedPart, step: int) -> None:
+        part.module.requires_grad_(False)
+        log.info("%s: trained for %d updates; not trained from update %d on", part.name, part.updates, step + 1)
 
     def save_weights(self, file: str, dtype: torch.dtype | None, metadata: dict[str, str] | None) -> None:
         """Write the whole model at ``file`` (a file, or a diffusers folder), weights cast to ``dtype``

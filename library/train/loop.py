@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +48,14 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
                saves: SaveHooks, samples: SampleHooks, tracker: Tracker, lr_values: Callable[[], dict[str, float]],
                on_epoch_start: Callable[[int], None], start: Position,
                validation: Validation | None = None, show_progress: bool = True,
-               after_first_update: Callable[[], None] | None = None) -> LoopResult:
+               after_first_update: Callable[[], None] | None = None, stop_hooks: Sequence[Hook] = ()) -> LoopResult:
     """Train from ``start`` until ``plan.max_train_steps`` updates; returns where it ended.
 
     The first epoch begins at ``start.batch`` (the batches before it are not loaded); a later epoch at its first
     batch. ``show_progress``: the progress bar (only the main process of a multi-process run shows one).
     ``after_first_update``: called once, when the first update of this run is read (``--torch_compile`` reports the
-    compilation's time there), the one extra wait for the device it adds."""
+    compilation's time there), the one extra wait for the device it adds. ``stop_hooks``: hooks that stop training a
+    part of the model (``TrainedModel.stop_hooks``), run first after an update, before the next micro-batch."""
     pos = Position(start.epoch, start.step, start.batch)
     loader = data.dataloader()
     if samples.at_first:
@@ -64,6 +65,7 @@ def train_loop(*, data, batch_loss: Callable[[dict], torch.Tensor], updater: Upd
     reports = StepReports(updater, tracker, progress, LossAverage(len(loader)), lr_values, validation,
                           plan.num_epochs)
     hooks = training_cadence(saves, samples, plan.num_epochs)
+    hooks.after_update[:0] = stop_hooks
     if after_first_update is not None:
         first = start.step + 1
         hooks.after_update.insert(0, Hook(lambda pos, _: pos.step == first, lambda pos, _: after_first_update()))

@@ -132,6 +132,35 @@ def test_dreambooth_without_the_text_encoder_writes_upstreams_ckpt(tmp_path):
                                tensor.to(torch.bfloat16).float()), key
 
 
+def test_dreambooth_stops_training_the_text_encoder_after_n_updates(tmp_path):
+    """``--stop_text_encoder_training 2``: the text encoder moves in updates 1 and 2 only (upstream freezes it when
+    ``global_step`` reaches 2), the U-Net in every update; a run resumed after update 3 keeps it frozen, its result
+    the uninterrupted run's."""
+    args = ["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--train_data_dir", str(images(tmp_path / "d")),
+            "--caption_extension", ".txt", "--stop_text_encoder_training", "2", "--save_model_as", "safetensors",
+            "--max_train_steps", "4", "--train_batch_size", "1", "--save_every_n_steps", "1", "--save_state"]
+    assert train_network.main(common(tmp_path / "out", *args), family="sd", script="train_db.py") == 0
+    out = tmp_path / "out"
+    files = [load_file(out / f"model-step0000000{step}.safetensors") for step in (1, 2, 3)]
+    files.append(load_file(out / "model.safetensors"))
+    text = [key for key in files[0] if key.startswith("cond_stage_model.") and "position_ids" not in key]
+    unet = [key for key in files[0] if key.startswith("model.diffusion_model.")]
+    start = {"cond_stage_model.transformer.text_model." + k.removeprefix("text_model."): v.to(torch.bfloat16)
+             for k, v in start_sd().text_encoder.state_dict().items()}
+
+    def moved(a, b, keys):
+        return sum(not torch.equal(a[k].float(), b[k].float()) for k in keys)
+
+    assert moved(start, files[0], [k for k in text if k in start]) > len(text) // 2
+    assert moved(files[0], files[1], text) > len(text) // 2
+    assert moved(files[1], files[2], text) == moved(files[2], files[3], text) == 0
+    assert all(moved(a, b, unet) > len(unet) // 2 for a, b in zip(files, files[1:], strict=False))
+    resumed = [*args, "--resume", str(out / "model-step00000003-state")]
+    assert train_network.main(common(tmp_path / "resumed", *resumed), family="sd", script="train_db.py") == 0
+    again = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert again.keys() == files[3].keys() and moved(again, files[3], list(again)) == 0
+
+
 def test_sdxl_train_writes_a_diffusers_folder_with_the_chosen_text_encoder_trained(tmp_path):
     from diffusers import StableDiffusionXLPipeline
 

@@ -5,13 +5,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from library.config.fields import flag
 from library.families.checkpoint_flags import CheckpointSaving
-
-if TYPE_CHECKING:
-    from library.config.sections import TrainConfig
 
 _LEARNING_RATE_TE = "learning rate of the text encoder (default: --learning_rate)"
 _DIFFUSERS_XFORMERS = ("xformers attention in the diffusers U-Net and VAE where xformers runs (a CUDA device), as "
@@ -35,14 +31,6 @@ class DreamBoothConfig(CheckpointSaving):
     no_token_padding: bool = flag(
         False, "no effect: sd-scripts 48d368fa reads it nowhere (captions are padded to the token length as always)")
     stop_text_encoder_training: int | None = flag(
-        None, "train the text encoder for this many updates only; a negative value: never (default: throughout)")
+        None, "train the text encoder for the first N updates only; 0 or a negative value: not at all (default: "
+        "throughout)")
 
-
-def dreambooth_problems(cfg: TrainConfig) -> list[str]:
-    """``--stop_text_encoder_training N`` with N > 0 (the text encoder trained for the first N updates only) is not
-    available here yet: refused rather than trained otherwise."""
-    stop = cfg.family_config.stop_text_encoder_training
-    if stop is not None and stop > 0:
-        return [f"--stop_text_encoder_training {stop}: stopping the text encoder's training part-way is not "
-                "available in this trainer yet; train it throughout (leave the flag out) or not at all (-1)"]
-    return []

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from library.config.dataset import BucketStep
 from library.families.checkpoint_flags import fine_tuning_record
-from library.families.sd.config import DreamBoothConfig, FineTuneConfig, dreambooth_problems
+from library.families.sd.config import DreamBoothConfig, FineTuneConfig
 from library.families.spec import FamilySpec, deferred
 
 SPEC = FamilySpec(
@@ -36,6 +36,6 @@ DREAMBOOTH = replace(
     FINE_TUNE, script="train_db.py",
     description="DreamBooth: fine-tune a Stable Diffusion 1.x/2.x model's U-Net and text encoder on folders of "
     "images, with regularization images (kohya sd-scripts flags).",
-    section_name="dreambooth", section=DreamBoothConfig, script_problems=dreambooth_problems,
+    section_name="dreambooth", section=DreamBoothConfig,
     trained_parts=deferred("library.families.sd.fine_tuning", "dreambooth_parts"),
 )
