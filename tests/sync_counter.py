@@ -113,12 +113,14 @@ class SyncCounter(TorchDispatchMode):
             elif _blocking_transfer(name, args, kwargs):
                 self._sync(f"blocking {name} between host and CUDA")
         result = func(*args, **kwargs)
-        host = self._paused or name == "lift_fresh" or (bool(inputs) and all(_key(t) in self._host for t in inputs))
-        for output in _tensors(result):
-            if host:
-                self._host.add(_key(output))
-            else:
-                self._host.discard(_key(output))
+        host = self._paused or name == "lift_fresh" or (
+            bool(inputs) and bool(self._host) and all(_key(t) in self._host for t in inputs))
+        if host or self._host:  # nothing to record or forget while no tensor is a host tensor
+            for output in _tensors(result):
+                if host:
+                    self._host.add(_key(output))
+                else:
+                    self._host.discard(_key(output))
         return result
 
     def __enter__(self) -> SyncCounter:

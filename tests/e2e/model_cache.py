@@ -7,7 +7,8 @@ from a fixed seed with the caller's RNG restored: ``library/families/model_parts
 all four, and any other model (a folder, a file, a replaced VAE) still loads for real every time. The copy is deep
 (nothing a run does to its model, casts, fp8 storage, LoRA injection, compilation, reaches the cached one) but for
 the tokenizers, which are shared: nothing in a run changes one (``library/`` sets no tokenizer attribute after
-loading), and their deep copy costs more than the U-Net's.
+loading), and their deep copy costs more than the U-Net's. Modules are copied by ``module_copy``, which gives what
+``copy.deepcopy`` gives at a third of its time (tiny SDXL: 0.07 s instead of 0.17 s, once per case).
 """
 
 from __future__ import annotations
@@ -21,6 +22,33 @@ from typing import Any
 import pytest
 
 BUILTIN = "builtin:"
+_TENSORS = ("_parameters", "_buffers")
+
+
+def module_copy(value: Any, memo: dict[int, Any]) -> Any:
+    """``copy.deepcopy(value, memo)``, with every ``torch.nn.Module`` in it copied attribute by attribute: submodules
+    by this function, parameters and buffers by their own deep copy (a clone keeping ``requires_grad``), empty dicts
+    (the hook tables) as new empty ones, anything else by ``copy.deepcopy``, all through one ``memo`` (an object met
+    twice is copied once). It skips deepcopy's generic reduce path for each of the model's thousands of modules."""
+    from torch import nn
+
+    if id(value) in memo:
+        return memo[id(value)]
+    if not isinstance(value, nn.Module):
+        return copy.deepcopy(value, memo)
+    new = object.__new__(type(value))
+    memo[id(value)] = new
+    for key, item in value.__dict__.items():
+        if key == "_modules":
+            item = {name: None if sub is None else module_copy(sub, memo) for name, sub in item.items()}
+        elif key in _TENSORS:
+            item = {name: copy.deepcopy(tensor, memo) for name, tensor in item.items()}
+        elif isinstance(item, dict) and not item:
+            item = type(item)()
+        else:
+            item = copy.deepcopy(item, memo)
+        new.__dict__[key] = item
+    return new
 
 
 def cacheable(cfg: Any) -> bool:
@@ -49,7 +77,10 @@ def cached_builtin_models() -> Iterator[dict[str, Any]]:
                 built[key] = load(self, cfg, section, dtype, file_device=file_device)
             model = built[key]
             shared = {id(part): part for part in vars(model).values() if isinstance(part, PreTrainedTokenizerBase)}
-            return copy.deepcopy(model, shared)
+            fresh = copy.copy(model)
+            for name, part in vars(model).items():
+                setattr(fresh, name, module_copy(part, shared))
+            return fresh
         return load_once
 
     with pytest.MonkeyPatch.context() as patch:
