@@ -3,12 +3,14 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/e2e/ddp_driver.py PLAN.json OUT
 
-``PLAN.json`` lists runs ``{"name", "args", "inject"}`` (``"family": "sdxl"``: ``sdxl_train_network.py``). For each
-run every process writes ``OUT/<name>/rank<r>.json`` (exit code, the lines it printed on stderr, which updates were
-applied) and ``rank<r>.safetensors`` (its network's weights at the end; the JSON is written last, so a run that has
-both is complete) and logs how long the run took. One process group (made here, adopted by
-``library/runtime/processes.py``) serves all runs of the plan; ``test_distributed_training.py`` splits its runs into a
-few plans, one launch each, each with its own time limit (``tests/launching.py``).
+``PLAN.json`` lists runs ``{"name", "args", "inject"}`` (``"family": "sdxl"``: ``sdxl_train_network.py``;
+``"script"``: a full fine-tuning script of the family, e.g. ``fine_tune.py``). For each run every process writes
+``OUT/<name>/rank<r>.json`` (exit code, the lines it printed on stderr, which updates were applied) and
+``rank<r>.safetensors`` (its network's weights at the end, or a full fine-tuning's trained parts, its
+``TrainedModel``; the JSON is written last, so a run that has both is complete) and logs how long the run took. One
+process group (made here, adopted by ``library/runtime/processes.py``) serves all runs of the plan;
+``test_distributed_training.py`` splits its runs into a few plans, one launch each, each with its own time limit
+(``tests/launching.py``).
 
 Injections (``inject``): ``{"rank": r, "calls": [i, ...], "what": "nan" | "user_error" | "sigterm"}`` makes the
 ``i``-th loss computation (0-based, counted per process and run) of process ``r`` return NaN, raise a UserError, or
@@ -41,7 +43,7 @@ import library.objectives.ddpm  # noqa: E402
 import library.runtime.run  # noqa: E402
 import train_network  # noqa: E402
 from library.base.errors import UserError  # noqa: E402
-from library.train import network_setup  # noqa: E402
+from library.train import full_model, network_setup  # noqa: E402
 
 
 class Recorder:
@@ -65,7 +67,8 @@ def _image_generators(paths: list[str], call: int) -> list[torch.Generator]:
 def patched(inject: dict, recorder: Recorder):
     """The run's patches (see the module docstring), undone afterwards."""
     originals = {"BatchLoss": library.runtime.run.BatchLoss, "make_updater": library.runtime.run.make_updater,
-                 "build_network": network_setup.build_network, "sample_noise": library.objectives.ddpm.sample_noise,
+                 "build_network": network_setup.build_network, "load_and_unfreeze": full_model.load_and_unfreeze,
+                 "sample_noise": library.objectives.ddpm.sample_noise,
                  "sample_timesteps": library.objectives.ddpm.sample_timesteps}
     rank = int(os.environ.get("RANK", "0"))
     calls = {"n": 0}
@@ -110,6 +113,10 @@ def patched(inject: dict, recorder: Recorder):
         recorder.network, train_te = originals["build_network"](*args, **kwargs)
         return recorder.network, train_te
 
+    def load_and_unfreeze(*args, **kwargs):
+        model, recorder.network, train_te = originals["load_and_unfreeze"](*args, **kwargs)
+        return model, recorder.network, train_te
+
     def noise(latents, cfg, generator, *args):
         return torch.cat([torch.randn((1, *latents.shape[1:]), generator=g) for g in current["generators"]])
 
@@ -117,7 +124,7 @@ def patched(inject: dict, recorder: Recorder):
         return torch.cat([torch.randint(0, 1000, (1,), generator=g) for g in current["generators"]]).to(device)
 
     library.runtime.run.BatchLoss, library.runtime.run.make_updater = InjectingLoss, recording_updater
-    network_setup.build_network = build_network
+    network_setup.build_network, full_model.load_and_unfreeze = build_network, load_and_unfreeze
     if inject.get("noise_by_image"):
         library.objectives.ddpm.sample_noise, library.objectives.ddpm.sample_timesteps = noise, timesteps
     try:
@@ -126,11 +133,13 @@ def patched(inject: dict, recorder: Recorder):
         library.runtime.run.BatchLoss = originals["BatchLoss"]
         library.runtime.run.make_updater = originals["make_updater"]
         network_setup.build_network = originals["build_network"]
+        full_model.load_and_unfreeze = originals["load_and_unfreeze"]
         library.objectives.ddpm.sample_noise = originals["sample_noise"]
         library.objectives.ddpm.sample_timesteps = originals["sample_timesteps"]
 
 
-def run_one(args: list[str], inject: dict, out: Path, rank: int, family: str = "sd") -> None:
+def run_one(args: list[str], inject: dict, out: Path, rank: int, family: str = "sd", script: str | None = None
+            ) -> None:
     """One ``train_network.main`` run; writes what this process saw."""
     import pytest
     from safetensors.torch import save_file
@@ -146,7 +155,7 @@ def run_one(args: list[str], inject: dict, out: Path, rank: int, family: str = "
             record = {"micro_syncs": micro, "window_syncs": windows}
         stack.enter_context(patched(inject, recorder))
         stack.enter_context(contextlib.redirect_stderr(stderr))
-        code = train_network.main(args, family=family)
+        code = train_network.main(args, family=family, script=script)
     out.mkdir(parents=True, exist_ok=True)
     if recorder.network is not None:
         weights = {k: v.detach().cpu().contiguous() for k, v in recorder.network.state_dict().items()}
@@ -165,7 +174,8 @@ def main() -> None:
     plan, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     for number, item in enumerate(plan, 1):
         started = time.monotonic()
-        run_one(item["args"], item.get("inject", {}), out / item["name"], dist.get_rank(), item.get("family", "sd"))
+        run_one(item["args"], item.get("inject", {}), out / item["name"], dist.get_rank(), item.get("family", "sd"),
+                item.get("script"))
         print(f"ddp_driver: process {dist.get_rank()}: run {number} of {len(plan)} ({item['name']}) took "
               f"{time.monotonic() - started:.1f} s", file=sys.__stderr__, flush=True)  # not the trainer's logging
     dist.destroy_process_group()

@@ -54,6 +54,14 @@ def two_images(root: Path) -> Path:
     return root / "two"
 
 
+def fine_tune(args: list[str]) -> list[str]:
+    """The same run for ``fine_tune.py``: the U-Net and the text encoder, without the LoRA's flags, at a learning rate
+    that suits the model's own weights, saved as one ``.safetensors`` file."""
+    lora = {"--network_module", "--network_dim", "--network_alpha", "--learning_rate"}
+    kept = [arg for i, arg in enumerate(args) if arg not in lora and (i == 0 or args[i - 1] not in lora)]
+    return [*kept, "--train_text_encoder", "--learning_rate", "1e-3", "--save_model_as", "safetensors"]
+
+
 def sdxl(args: list[str]) -> list[str]:
     """The same run for ``sdxl_train_network.py`` on the tiny SDXL."""
     return ["builtin:tiny-sdxl" if arg == "builtin:tiny-sd15" else arg for arg in args]
@@ -103,17 +111,21 @@ def plan(root: Path, two: Path) -> list[dict]:
                                              data=two)), {"noise_by_image": True}),
         ("sdxl_cached", sdxl(train_args(out / "sdxl_cached", *SDXL_CACHED, data=sdxl_cached)), {}),
     ]
+    fine_tune_run = {"name": "fine_tune_equivalence", "script": "fine_tune.py", "inject": {"noise_by_image": True},
+                     "args": fine_tune(train_args(out / "fine_tune_equivalence", *EQUIVALENCE, "--train_batch_size",
+                                                  "1", data=two))}
     return ([{"name": name, "args": args, "inject": inject} for name, args, inject in runs]
-            + [{"name": name, "args": args, "inject": inject, "family": "sdxl"} for name, args, inject in sdxl_runs])
+            + [{"name": name, "args": args, "inject": inject, "family": "sdxl"} for name, args, inject in sdxl_runs]
+            + [fine_tune_run])
 
 
 # The runs of each launch of ddp_driver.py, in order (a resumed run after the one it resumes, in the same launch). One
 # launch holds them all: a start (torchrun and 2 processes importing torch, diffusers and the trainer) costs about
 # 10 s on 2 cores under load, a run of the tiny model 1-3 s, and the launch's limit grows with the runs it holds.
 LAUNCHES = {
-    "all": ("equivalence", "sdxl_equivalence", "nan_skip", "nan_stop", "user_error", "bad_input", "fused", "fp32",
-            "fp32_interrupted", "fp32_resumed", "bf16", "bf16_resumed", "disk_cache", "syncs", "sample_validate",
-            "sdxl_cached"),
+    "all": ("equivalence", "sdxl_equivalence", "fine_tune_equivalence", "nan_skip", "nan_stop", "user_error",
+            "bad_input", "fused", "fp32", "fp32_interrupted", "fp32_resumed", "bf16", "bf16_resumed", "disk_cache",
+            "syncs", "sample_validate", "sdxl_cached"),
 }
 
 
@@ -187,7 +199,7 @@ def test_two_processes_of_one_image_equal_one_process_of_two(runs, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "bf16_resumed", "nan_skip", "equivalence", "sdxl_equivalence",
-                                  "sdxl_cached"])
+                                  "sdxl_cached", "fine_tune_equivalence"])
 def test_every_process_ends_with_bit_identical_weights(runs, name):
     first, second = replicas(runs, name)
     assert first.keys() == second.keys()
@@ -310,6 +322,22 @@ def test_sdxl_two_processes_of_one_image_equal_one_process_accumulating_two(runs
         b = load_file(accumulating / f"{step}.safetensors")
         assert a.keys() == b.keys() and not [k for k in a if not torch.equal(a[k], b[k])], step
     assert any(k.startswith("lora_unet_input_blocks_") for k in a)
+
+
+def test_fine_tune_on_two_processes_of_one_image_equals_one_process_accumulating_two(runs, tmp_path):
+    """``fine_tune.py`` under torchrun: the whole U-Net's and text encoder's gradients averaged over the processes
+    (the equivalence case above, for the model's own weights)."""
+    ours, accumulating = output(runs, "fine_tune_equivalence"), tmp_path / "accumulating"
+    with ddp_driver.patched({"noise_by_image": True, "losses_per_epoch": 2}, ddp_driver.Recorder()):
+        assert train_network.main(fine_tune(train_args(accumulating, *EQUIVALENCE, "--train_batch_size", "1",
+                                                       "--gradient_accumulation_steps", "2", data=runs["two"])),
+                                  script="fine_tune.py") == 0
+    for step in ("lora-step00000001", "lora-step00000002", "lora"):
+        a = load_file(ours / f"{step}.safetensors")
+        b = load_file(accumulating / f"{step}.safetensors")
+        assert a.keys() == b.keys() and not [k for k in a if not torch.equal(a[k], b[k])], step
+    first, last = load_file(ours / "lora-step00000001.safetensors"), load_file(ours / "lora.safetensors")
+    assert sum(not torch.equal(first[k], last[k]) for k in first) > len(first) // 2  # updates 2 and 3 trained
 
 
 def test_sdxl_disk_caches_are_shared_out_and_written_once(runs):
