@@ -94,11 +94,13 @@ def combine_caption(caption: str, tags: str | None, sub: SubsetSpec) -> str:
 
 
 def read_metadata_subset(sub: SubsetSpec, errors: list[str]) -> list[tuple[str, str, str | None]]:
-    """(image path, caption, tags) for each entry of a metadata file; problems are appended to ``errors``."""
+    """(image path, caption, tags) for each entry of a metadata file, in sd-scripts' order (``FineTuningDataset``
+    registers the keys longest first, ties in the file's order: the order its latents are cached in, one random draw
+    each, and its batches are drawn from); problems are appended to ``errors``."""
     path = Path(sub.metadata_file)
     out = []
     missing = []
-    for key, entry in _load(path, errors).items():
+    for key, entry in sorted(_load(path, errors).items(), key=lambda item: len(item[0]), reverse=True):
         image = _image_path(key, sub.image_dir)
         if image is None:
             errors.append(f'{sub.location}: "{key}" is a relative path; set image_dir (or --train_data_dir) to the '
