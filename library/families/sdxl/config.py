@@ -115,8 +115,9 @@ def sdxl_fine_tune_problems(cfg: TrainConfig) -> list[str]:
     if section.block_lr:
         problems.extend(_block_lr_problems(section))
     if section.fused_optimizer_groups is not None:
-        problems.append("--fused_optimizer_groups: not available in this trainer yet; --fused_backward_pass steps "
-                        "each tensor during the backward pass, with every optimizer")
+        problems.append("--fused_optimizer_groups: not available in this trainer yet; use --fused_backward_pass, "
+                        "which steps the weights during the backward pass 32 tensors at a time (with "
+                        "StochasticAdamW, Compass or SPARKLES)")
     return problems
 
 
