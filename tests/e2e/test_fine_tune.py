@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 import train_network
 from tests.e2e.test_train_network import SAMPLES
+from tests.e2e.test_validation import scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,11 +61,25 @@ def fine_tuned(tmp_path_factory):
     data = images(root / "data") / "1_shapes"
     subprocess.run([sys.executable, "finetune/merge_captions_to_metadata.py", str(data), str(root / "meta.json"),
                     "--caption_extension", ".txt"], check=True, cwd=ROOT)
+    (root / "prompts.txt").write_text("a red square --w 64 --h 64 --d 1 --s 2\n", encoding="utf-8")
     args = ["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--in_json", str(root / "meta.json"),
             "--train_data_dir", str(data), "--train_text_encoder", "--save_model_as", "safetensors",
-            "--max_train_steps", "2", "--save_every_n_steps", "1", "--save_state"]
+            "--max_train_steps", "2", "--save_every_n_steps", "1", "--save_state", "--sample_prompts",
+            str(root / "prompts.txt"), "--sample_every_n_steps", "1", "--logging_dir", str(root / "logs")]
     assert train_network.main(common(root / "out", *args), family="sd", script="fine_tune.py") == 0
     return root, args
+
+
+def test_samples_and_the_report_of_a_fine_tuning_run(fine_tuned):
+    """The sample images of each step and the report picture (``library/report``), as a LoRA run has them."""
+    from library.report.cli import build_report
+
+    root, _ = fine_tuned
+    steps = sorted(path.name.split("_")[1] for path in (root / "out" / "sample").glob("model_*.png"))
+    assert steps == ["000001", "000002"]
+    picture = build_report(root / "logs", samples=root / "out" / "sample", prompts=root / "prompts.txt",
+                           out=root / "report.png")
+    assert picture.stat().st_size > 10_000
 
 
 def test_fine_tune_trains_unet_and_text_encoder_and_keeps_the_vae(fine_tuned):
@@ -135,11 +150,14 @@ def test_dreambooth_without_the_text_encoder_writes_upstreams_ckpt(tmp_path):
 def test_dreambooth_stops_training_the_text_encoder_after_n_updates(tmp_path):
     """``--stop_text_encoder_training 2``: the text encoder moves in updates 1 and 2 only (upstream freezes it when
     ``global_step`` reaches 2), the U-Net in every update; a run resumed after update 3 keeps it frozen, its result
-    the uninterrupted run's."""
+    the uninterrupted run's. The run validates on a held-out image every 2 updates, as a LoRA run does."""
     args = ["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--train_data_dir", str(images(tmp_path / "d")),
             "--caption_extension", ".txt", "--stop_text_encoder_training", "2", "--save_model_as", "safetensors",
-            "--max_train_steps", "4", "--train_batch_size", "1", "--save_every_n_steps", "1", "--save_state"]
+            "--max_train_steps", "4", "--train_batch_size", "1", "--save_every_n_steps", "1", "--save_state",
+            "--validation_split", "0.25", "--validate_every_n_steps", "2", "--logging_dir", str(tmp_path / "logs")]
     assert train_network.main(common(tmp_path / "out", *args), family="sd", script="train_db.py") == 0
+    validation = scalars(tmp_path / "logs")["loss/validation/step_average"]
+    assert [step for step, _ in validation] == [2, 4] and all(0 < loss < 10 for _, loss in validation)
     out = tmp_path / "out"
     files = [load_file(out / f"model-step0000000{step}.safetensors") for step in (1, 2, 3)]
     files.append(load_file(out / "model.safetensors"))
