@@ -4,16 +4,16 @@ Loading: a ``.safetensors`` file, or a torch pickle read with ``weights_only=Tru
 with one set of rules serves every LoRA file (``--network_weights``, ``--base_weights``,
 ``create_network_from_weights``, ``load_weights``): a missing, unreadable or empty file, or one holding anything but
 tensors, is a ``UserError`` naming the file (and the option that gave it) and what is wrong.
-Saving is atomic (a temporary sibling, then ``os.replace``); ``.safetensors`` gets the metadata plus
-``sshs_model_hash`` / ``sshs_legacy_hash`` as sd-scripts' ``train_util.precalculate_safetensors_hashes``; other
-extensions use ``torch.save``. Tensors are cast for saving (``--save_precision``) by ``cast_for_saving``. The network
-modules (``networks.lora``, ``networks.lora_fa``, ``networks.lycoris_adapter``) and the trainer share these functions.
+Saving is atomic (a temporary sibling, then ``os.replace``); ``.safetensors`` (laid out by ``safetensors_bytes``)
+gets the metadata plus ``sshs_model_hash`` / ``sshs_legacy_hash`` as sd-scripts'
+``train_util.precalculate_safetensors_hashes``; other extensions use ``torch.save``. Tensors are cast for saving
+(``--save_precision``) by ``cast_for_saving``. The network modules (``networks.lora``, ``networks.lora_fa``,
+``networks.lycoris_adapter``) and the trainer share these functions.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -23,6 +23,7 @@ import torch
 
 from library.base.errors import UserError
 from library.base.files import write_file_atomic
+from networks import safetensors_bytes
 
 __all__ = ["cast_for_saving", "load_weights_file", "module_ranks", "safetensors_hashes", "save_weights_file",
            "weights_shapes"]
@@ -117,32 +118,14 @@ def module_ranks(file: str | os.PathLike[str] | None, weights_sd: Mapping[str, t
     return weights_sd, dims, alphas
 
 
-def safetensors_hashes(serialised: bytes) -> tuple[str, str]:
-    """``(sshs_model_hash, sshs_legacy_hash)`` of ``serialised``, the safetensors serialisation with only the ``ss_*``
-    metadata, as sd-scripts' ``precalculate_safetensors_hashes``: the model hash is sha256 of the bytes after the
-    header (the tensor payload, the same in the final file), the legacy hash the first 8 hex chars of sha256 of the
-    64 KiB at offset 1 MiB, i.e. of nothing (``e3b0c442``) for files under 1 MiB."""
-    model_hash = hashlib.sha256(payload(serialised)).hexdigest()
-    legacy_hash = hashlib.sha256(serialised[0x100000:0x100000 + 0x10000]).hexdigest()[:8]
-    return model_hash, legacy_hash
-
-
-def payload(serialised: bytes) -> memoryview:
-    """The tensor bytes of a safetensors serialisation (what follows its header)."""
-    return memoryview(serialised)[8 + int.from_bytes(serialised[:8], "little"):]
-
-
-def header_with_metadata(serialised: bytes, metadata: Mapping[str, str]) -> bytes:
-    """The header (length and JSON) of ``serialised`` (safetensors bytes) with ``metadata`` as its ``__metadata__``,
-    written as the safetensors library writes one (compact JSON, ``__metadata__`` first, UTF-8 unescaped, spaces up to
-    a multiple of 8 bytes): followed by ``payload(serialised)`` it is what ``safetensors.torch.save`` gives with that
-    metadata, without serialising the tensors again."""
-    header_len = int.from_bytes(serialised[:8], "little")
-    tensors = {k: v for k, v in json.loads(serialised[8:8 + header_len]).items() if k != "__metadata__"}
-    header = json.dumps({"__metadata__": dict(metadata), **tensors}, separators=(",", ":"), ensure_ascii=False)
-    encoded = header.encode("utf-8")
-    encoded += b" " * (-len(encoded) % 8)
-    return len(encoded).to_bytes(8, "little") + encoded
+def safetensors_hashes(header_bytes: bytes, payload: memoryview) -> tuple[str, str]:
+    """``(sshs_model_hash, sshs_legacy_hash)`` of the safetensors serialisation ``header_bytes + payload`` with only
+    the ``ss_*`` metadata, as sd-scripts' ``precalculate_safetensors_hashes``: the model hash is sha256 of the tensor
+    payload (the same in the final file), the legacy hash the first 8 hex chars of sha256 of the 64 KiB at offset
+    1 MiB, i.e. of nothing (``e3b0c442``) for files under 1 MiB."""
+    start = max(0, 0x100000 - len(header_bytes))
+    window = (header_bytes + bytes(payload[:start + 0x10000]))[0x100000:0x100000 + 0x10000]
+    return hashlib.sha256(payload).hexdigest(), hashlib.sha256(window).hexdigest()[:8]
 
 
 def cast_for_saving(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -166,12 +149,11 @@ def save_weights_file(state_dict: Mapping[str, torch.Tensor], file: str | os.Pat
     half-written LoRA; the file gets the usual permissions (0666 less the umask)."""
     path = Path(os.fspath(file))
     if path.suffix == ".safetensors":
-        from safetensors.torch import save
-
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-        hashed = save(dict(state_dict), {k: v for k, v in meta.items() if k.startswith("ss_")})
-        meta["sshs_model_hash"], meta["sshs_legacy_hash"] = safetensors_hashes(hashed)
-        header = header_with_metadata(hashed, meta)
-        write_file_atomic(path, lambda f: (f.write(header), f.write(payload(hashed))))
+        entries, payload = safetensors_bytes.layout(state_dict)
+        hashed = safetensors_bytes.header(entries, {k: v for k, v in meta.items() if k.startswith("ss_")})
+        meta["sshs_model_hash"], meta["sshs_legacy_hash"] = safetensors_hashes(hashed, payload)
+        head = safetensors_bytes.header(entries, meta)
+        write_file_atomic(path, lambda f: (f.write(head), f.write(payload)))
     else:
         write_file_atomic(path, lambda f: torch.save(dict(state_dict), f))

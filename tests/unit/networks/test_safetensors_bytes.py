@@ -1,0 +1,50 @@
+"""``networks/safetensors_bytes.py`` against the safetensors library: the same payload bytes (which sd-scripts'
+``sshs_model_hash`` hashes), the same header once parsed, every dtype the library stores, and files it reads back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from networks import safetensors_bytes
+
+
+def library_parts(data: bytes) -> tuple[dict, bytes]:
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + size]), data[8 + size:]
+
+
+def tensors_of_every_dtype() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    out = {}
+    for index, dtype in enumerate(safetensors_bytes.ORDER):
+        values = torch.randn(2, 3, generator=generator) * 50
+        if dtype == torch.complex64:
+            values = torch.complex(values, values.flip(0))
+        for name in (f"b{index}", f"a{index}"):  # names out of order within a dtype
+            out[name] = values.to(dtype).clone()
+    out["scalar"] = torch.tensor(2.5)
+    out["empty"] = torch.zeros(0, 4, dtype=torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"ss_b": "2", "ss_a": 'q"\\\n 日本'}], ids=["none", "empty", "some"])
+def test_layout_and_header_are_the_librarys(metadata):
+    tensors = tensors_of_every_dtype()
+    entries, payload = safetensors_bytes.layout(tensors)
+    ours = safetensors_bytes.header(entries, metadata) + bytes(payload)
+    reference = save(tensors, metadata)
+    (ours_header, ours_payload), (their_header, their_payload) = library_parts(ours), library_parts(reference)
+    assert ours_payload == their_payload
+    assert ours_header == their_header and list(ours_header) == list(their_header)  # tensors in the library's order
+    assert len(ours) == len(reference) and int.from_bytes(ours[:8], "little") % 8 == 0
+    back = load(ours)
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_a_dtype_safetensors_cannot_store_is_named():
+    with pytest.raises(ValueError, match="odd: safetensors cannot store torch.complex128"):
+        safetensors_bytes.layout({"fine": torch.zeros(2), "odd": torch.zeros(2, dtype=torch.complex128)})
