@@ -1,9 +1,11 @@
-"""Keys that the kohya_ss GUI (bmaltais/kohya_ss ``kohya_gui/lora_gui.py`` ``train_model``, checked at 45088f04)
-writes into the ``--config_file`` TOML although sd-scripts' ``train_network.py`` (48d368fa) has no such flag.
-sd-scripts ignores every unknown key silently; here a GUI key that changes nothing is accepted with one info line, a
-GUI key that asks for a feature this trainer lacks is refused when set, and any other unknown key stays an error with
-a did-you-mean. The GUI drops every value that is "", False, 0 or None before writing, so a key it writes is set.
-"""
+"""Keys that the kohya_ss GUI (bmaltais/kohya_ss ``kohya_gui/lora_gui.py``, ``dreambooth_gui.py`` and
+``finetune_gui.py`` ``train_model``, checked at 45088f04) writes into the ``--config_file`` TOML although the
+sd-scripts script it runs (``train_network.py``, ``train_db.py``, ``fine_tune.py``, ``sdxl_train.py`` ...; 48d368fa)
+has no such flag. sd-scripts ignores every unknown key silently; here a GUI key that changes nothing is accepted with
+one info line, a GUI key that asks for a feature this trainer lacks is refused when set, and any other unknown key
+stays an error with a did-you-mean. A key that is a flag of the script that reads the file is read as that flag
+(``stop_text_encoder_training`` and ``no_token_padding`` of ``train_db.py``). The GUI drops every value that is "",
+False or None before writing (the LoRA tab 0 too), so a key it writes is set."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ GUI_ONLY_KEYS: dict[str, str] = {
     "epoch": "the GUI's Epoch box; when its Max train steps box is 0 the GUI turns it into max_train_steps, which it "
              "writes too",
     "noise_offset_type": "the GUI's noise menu; noise_offset / multires_noise_iterations are what set the noise",
-    "stop_text_encoder_training": "an option of sd-scripts' train_db.py, which train_network.py ignores too",
+    "stop_text_encoder_training": "the GUI's Stop TE slider, a flag of sd-scripts' train_db.py only: the other "
+                                  "scripts train their text encoders throughout, as sd-scripts' do",
+    "no_token_padding": "the DreamBooth tab's No token padding box (written for sdxl_train.py too), a flag of "
+                        "sd-scripts' train_db.py that it reads nowhere",
 }
 
 # What a GUI field that the GUI writes whatever the settings means when its tracker is off (``lora_gui.py`` writes

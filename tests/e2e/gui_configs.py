@@ -1,4 +1,5 @@
-"""The kohya_ss GUI's training TOMLs made runnable in a test folder (shared by the SD 1.5 and SDXL GUI tests)."""
+"""The kohya_ss GUI's training TOMLs made runnable in a test folder (shared by the GUI tests of the LoRA, DreamBooth
+and Finetune tabs)."""
 
 from __future__ import annotations
 
@@ -6,16 +7,21 @@ import shutil
 from pathlib import Path
 
 
-def fill_gui_config(toml: Path, where: Path, images: Path, model: str, prompt: str = "") -> Path:
+def fill_gui_config(toml: Path, where: Path, images: Path, model: str, prompt: str = "",
+                    placeholders: dict[str, Path] | None = None) -> Path:
     """A GUI TOML with its placeholders filled in, in a fresh folder ``where`` holding a copy of ``images``; the
-    sample prompt file as the GUI creates it (``prompt``, empty unless its "Sample prompts" box was set)."""
+    sample prompt file as the GUI creates it (``prompt``, empty unless its "Sample prompts" box was set).
+
+    ``placeholders``: more placeholders, or other paths for the usual ones (the Finetune tab's ``@TRAIN_DIR@``, its
+    "Train config folder" for the metadata JSON, and a flat image folder as ``@TRAIN_DATA_DIR@``)."""
     where.mkdir(parents=True)
     shutil.copytree(images, where / "data")
     (where / "out" / "sample").mkdir(parents=True)
     (where / "out" / "sample" / "prompt.txt").write_text(prompt, encoding="utf-8")
     text = toml.read_text(encoding="utf-8")
-    for placeholder, value in {"@PRETRAINED_MODEL@": model, "@TRAIN_DATA_DIR@": where / "data",
-                               "@OUTPUT_DIR@": where / "out", "@LOGGING_DIR@": where / "logs"}.items():
+    paths = {"@PRETRAINED_MODEL@": model, "@TRAIN_DATA_DIR@": where / "data", "@OUTPUT_DIR@": where / "out",
+             "@LOGGING_DIR@": where / "logs", **(placeholders or {})}
+    for placeholder, value in paths.items():
         text = text.replace(placeholder, str(value).replace("\\", "/"))
     file = where / "config_lora.toml"
     file.write_text(text, encoding="utf-8")
