@@ -118,14 +118,21 @@ def module_ranks(file: str | os.PathLike[str] | None, weights_sd: Mapping[str, t
     return weights_sd, dims, alphas
 
 
-def safetensors_hashes(header_bytes: bytes, payload: memoryview) -> tuple[str, str]:
-    """``(sshs_model_hash, sshs_legacy_hash)`` of the safetensors serialisation ``header_bytes + payload`` with only
-    the ``ss_*`` metadata, as sd-scripts' ``precalculate_safetensors_hashes``: the model hash is sha256 of the tensor
-    payload (the same in the final file), the legacy hash the first 8 hex chars of sha256 of the 64 KiB at offset
-    1 MiB, i.e. of nothing (``e3b0c442``) for files under 1 MiB."""
-    start = max(0, 0x100000 - len(header_bytes))
-    window = (header_bytes + bytes(payload[:start + 0x10000]))[0x100000:0x100000 + 0x10000]
-    return hashlib.sha256(payload).hexdigest(), hashlib.sha256(window).hexdigest()[:8]
+def safetensors_hashes(header_bytes: bytes, parts: list[torch.Tensor]) -> tuple[str, str]:
+    """``(sshs_model_hash, sshs_legacy_hash)`` of the safetensors serialisation ``header_bytes`` + the tensor bytes
+    ``parts`` (``safetensors_bytes.layout``) with only the ``ss_*`` metadata, as sd-scripts'
+    ``precalculate_safetensors_hashes``: the model hash is sha256 of the tensor payload (the same in the final file),
+    the legacy hash the first 8 hex chars of sha256 of the 64 KiB at offset 1 MiB, i.e. of nothing (``e3b0c442``)
+    for files under 1 MiB."""
+    model, window, offset = hashlib.sha256(), bytearray(), len(header_bytes)
+    window += header_bytes[0x100000:0x110000]
+    for chunk in safetensors_bytes.chunks(parts):
+        model.update(chunk)
+        lo, hi = max(0x100000, offset), min(0x110000, offset + len(chunk))
+        if lo < hi:
+            window += chunk[lo - offset:hi - offset]
+        offset += len(chunk)
+    return model.hexdigest(), hashlib.sha256(window).hexdigest()[:8]
 
 
 def cast_for_saving(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -150,10 +157,10 @@ def save_weights_file(state_dict: Mapping[str, torch.Tensor], file: str | os.Pat
     path = Path(os.fspath(file))
     if path.suffix == ".safetensors":
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-        entries, payload = safetensors_bytes.layout(state_dict)
+        entries, parts = safetensors_bytes.layout(state_dict)
         hashed = safetensors_bytes.header(entries, {k: v for k, v in meta.items() if k.startswith("ss_")})
-        meta["sshs_model_hash"], meta["sshs_legacy_hash"] = safetensors_hashes(hashed, payload)
+        meta["sshs_model_hash"], meta["sshs_legacy_hash"] = safetensors_hashes(hashed, parts)
         head = safetensors_bytes.header(entries, meta)
-        write_file_atomic(path, lambda f: (f.write(head), f.write(payload)))
+        write_file_atomic(path, lambda f: f.writelines([head, *safetensors_bytes.chunks(parts)]))
     else:
         write_file_atomic(path, lambda f: torch.save(dict(state_dict), f))

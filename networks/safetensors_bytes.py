@@ -1,5 +1,7 @@
 """The safetensors file layout, written in one pass: what ``safetensors.torch.save`` writes, without its per-tensor
-pointer wrapping (about 0.12 ms per tensor through ctypes and numpy: 0.36 s for a tiny SDXL LoRA's 2,958 tensors).
+pointer wrapping (about 0.12 ms per tensor through ctypes and numpy: 0.36 s for a tiny SDXL LoRA's 2,958 tensors)
+and without building the whole file in memory (``save`` returns it as one ``bytes``: a second copy of a full
+fine-tuning checkpoint, 4.3 GB for SD 1.5 in fp32); ``write`` streams the tensors into the file one at a time.
 
 Layout (safetensors 0.4-0.8, ``safetensors/src/tensor.rs`` ``prepare``/``serialize``): an 8-byte little-endian header
 length, the header (compact JSON, ``__metadata__`` first, then one entry per tensor: dtype, shape, data offsets,
@@ -13,7 +15,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import BinaryIO
 
 import torch
 
@@ -35,9 +38,10 @@ def header(entries: Mapping[str, dict], metadata: Mapping[str, str] | None) -> b
     return len(encoded).to_bytes(8, "little") + encoded
 
 
-def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, dict], memoryview]:
-    """The header entries (in layout order) and the payload (one buffer) of CPU ``tensors``; a ``ValueError`` naming
-    a tensor whose dtype safetensors has no name for."""
+def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, dict], list[torch.Tensor]]:
+    """The header entries (in layout order) and each tensor's bytes (a ``uint8`` view of it, in the same order; no
+    copy of a contiguous CPU tensor) for CPU ``tensors``; a ``ValueError`` naming a tensor whose dtype safetensors
+    has no name for."""
     if sys.byteorder != "little":
         raise ValueError("safetensors stores little-endian bytes; this writer does not swap them")
     unknown = [name for name, tensor in tensors.items() if tensor.dtype not in _RANK]
@@ -52,5 +56,19 @@ def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, dict], memory
                          "data_offsets": [offset, offset + raw.numel()]}
         parts.append(raw)
         offset += raw.numel()
-    payload = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
-    return entries, memoryview(payload.numpy()).cast("B")
+    return entries, parts
+
+
+def chunks(parts: list[torch.Tensor]) -> Iterator[memoryview]:
+    """The payload, one tensor's bytes at a time (what follows the header, with no gaps)."""
+    for part in parts:
+        yield memoryview(part.numpy()).cast("B")
+
+
+def write(file: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> None:
+    """Write ``tensors`` with ``metadata`` to the open ``file``, one tensor at a time: no copy of the whole payload
+    is made, whatever the model's size."""
+    entries, parts = layout(tensors)
+    file.write(header(entries, metadata))
+    for chunk in chunks(parts):
+        file.write(chunk)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from library.base.files import replace_folder, write_bytes_atomic, write_file_atomic
+from library.base.files import replace_folder, write_file_atomic
 from library.families.checkpoint_flags import CheckpointFormat
 from library.families.model_files import CONFIG_METADATA_KEY
+from networks import safetensors_bytes
 
 
 def write_checkpoint(path: Path, fmt: CheckpointFormat, metadata: dict[str, str] | None, epoch: int, step: int, *,
@@ -29,10 +30,8 @@ def write_checkpoint(path: Path, fmt: CheckpointFormat, metadata: dict[str, str]
         return
     state = single_file_state()
     if fmt.safetensors:
-        from safetensors.torch import save
-
         meta = {"format": "pt", **(metadata or {}), CONFIG_METADATA_KEY: config_name}
-        write_bytes_atomic(path, save(state, meta))
+        write_file_atomic(path, lambda f: safetensors_bytes.write(f, state, meta))
     else:
         checkpoint = {"state_dict": state, "epoch": epoch, "global_step": step}
         write_file_atomic(path, lambda f: torch.save(checkpoint, f))

@@ -1,8 +1,10 @@
 """``networks/safetensors_bytes.py`` against the safetensors library: the same payload bytes (which sd-scripts'
-``sshs_model_hash`` hashes), the same header once parsed, every dtype the library stores, and files it reads back."""
+``sshs_model_hash`` hashes), the same header once parsed, every dtype the library stores, files it reads back, and
+the tensors written without a copy of the payload."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -34,8 +36,9 @@ def tensors_of_every_dtype() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("metadata", [None, {}, {"ss_b": "2", "ss_a": 'q"\\\n 日本'}], ids=["none", "empty", "some"])
 def test_layout_and_header_are_the_librarys(metadata):
     tensors = tensors_of_every_dtype()
-    entries, payload = safetensors_bytes.layout(tensors)
-    ours = safetensors_bytes.header(entries, metadata) + bytes(payload)
+    file = io.BytesIO()
+    safetensors_bytes.write(file, tensors, metadata)
+    ours = file.getvalue()
     reference = save(tensors, metadata)
     (ours_header, ours_payload), (their_header, their_payload) = library_parts(ours), library_parts(reference)
     assert ours_payload == their_payload
@@ -48,3 +51,9 @@ def test_layout_and_header_are_the_librarys(metadata):
 def test_a_dtype_safetensors_cannot_store_is_named():
     with pytest.raises(ValueError, match="odd: safetensors cannot store torch.complex128"):
         safetensors_bytes.layout({"fine": torch.zeros(2), "odd": torch.zeros(2, dtype=torch.complex128)})
+
+
+def test_the_payload_is_the_tensors_own_memory_not_a_copy():
+    tensors = {"w": torch.randn(64, 32), "b": torch.randn(32).to(torch.bfloat16)}
+    _, parts = safetensors_bytes.layout(tensors)
+    assert sorted(part.data_ptr() for part in parts) == sorted(t.data_ptr() for t in tensors.values())
