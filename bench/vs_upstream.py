@@ -73,6 +73,7 @@ def child(trainer: str, argv: list[str]) -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     stamps: list[float] = []
     cpu_stamps: list[float] = []
+    trained_peak = [0]
     profile_to = os.environ.get("VS_UPSTREAM_PROFILE")
     profile_after = int(os.environ.get("VS_UPSTREAM_PROFILE_AFTER", "1"))
     shapes = bool(os.environ.get("VS_UPSTREAM_PROFILE_SHAPES"))
@@ -82,6 +83,7 @@ def child(trainer: str, argv: list[str]) -> int:
     def stamp(optimizer, args, kwargs) -> None:
         stamps.append(time.perf_counter())
         cpu_stamps.append(time.process_time())
+        trained_peak[0] = vm_hwm_bytes()  # the peak before the final save
         if profiler is not None and len(stamps) == profile_after:
             profiler.start()
         elif profiler is not None and len(stamps) == profile_after + 1:
@@ -93,7 +95,17 @@ def child(trainer: str, argv: list[str]) -> int:
             totals = {event.key: event.self_cpu_time_total for event in profiler.key_averages()}
             Path(profile_to).with_suffix(".json").write_text(json.dumps(totals))
 
-    register_optimizer_step_post_hook(stamp)
+    if os.environ.get("VS_UPSTREAM_STAMP") == "scheduler":  # one LR-schedule tick per update (fused steps too)
+        tick = torch.optim.lr_scheduler.LRScheduler.step
+
+        def stamped_tick(self, *args, **kwargs):
+            result = tick(self, *args, **kwargs)
+            stamp(None, args, kwargs)
+            return result
+
+        torch.optim.lr_scheduler.LRScheduler.step = stamped_tick
+    else:
+        register_optimizer_step_post_hook(stamp)
     sys.argv = [trainer, *argv]
     sys.path.insert(0, str(Path(trainer).resolve().parent))
     code = 0
@@ -102,6 +114,7 @@ def child(trainer: str, argv: list[str]) -> int:
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     report = {"stamps": stamps, "cpu_stamps": cpu_stamps, "peak_rss_bytes": vm_hwm_bytes(),
+              "peak_rss_at_last_step_bytes": trained_peak[0],
               "threads": torch.get_num_threads(), "torch": torch.__version__, "code": code}
     print(MARKER + json.dumps(report), flush=True)
     return code
@@ -113,8 +126,9 @@ def load_average() -> str:
 
 def run_side(python: str, cwd: Path, pythonpath: str | None, trainer: str, train_args: list[str], threads: int,
              log_file: Path, profile: dict[str, str] | None = None) -> dict:
-    """One trainer run in a child process; its output goes to ``log_file``; ``profile``: the child's profiler
-    variables (``--profile``)."""
+    """One trainer run in a child process; its output goes to ``log_file``; ``profile``: the child's environment
+    for the profiler (``--profile``) or the stamps (``VS_UPSTREAM_STAMP=scheduler``: at each LR-schedule tick, the
+    first at the schedule's creation, instead of at each ``Optimizer.step``)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
            "CUDA_VISIBLE_DEVICES": "", **(profile or {})}
     env.pop("PYTHONPATH", None)
