@@ -310,33 +310,33 @@ def test_the_disk_latent_cache_is_shared_out_between_the_processes(runs):
     assert not [k for k in first if not torch.equal(first[k], second[k])]
 
 
-def test_sdxl_two_processes_of_one_image_equal_one_process_accumulating_two(runs, tmp_path):
-    """sdxl_train_network.py under torchrun behaves as train_network.py (the equivalence case above)."""
-    ours, accumulating = output(runs, "sdxl_equivalence"), tmp_path / "accumulating"
+def equals_one_process_accumulating_two(runs, name: str, tmp_path, adapt, **script) -> dict[str, torch.Tensor]:
+    """The 2-process run ``name`` equals one process accumulating two, bit for bit at every step (``adapt``: the
+    arguments of its script; ``script``: ``train_network.main``'s family / script); its last file."""
+    ours, accumulating = output(runs, name), tmp_path / "accumulating"
     with ddp_driver.patched({"noise_by_image": True, "losses_per_epoch": 2}, ddp_driver.Recorder()):
-        assert train_network.main(sdxl(train_args(accumulating, *EQUIVALENCE, "--train_batch_size", "1",
-                                                  "--gradient_accumulation_steps", "2", data=runs["two"])),
-                                  family="sdxl") == 0
+        assert train_network.main(adapt(train_args(accumulating, *EQUIVALENCE, "--train_batch_size", "1",
+                                                   "--gradient_accumulation_steps", "2", data=runs["two"])),
+                                  **script) == 0
     for step in ("lora-step00000001", "lora-step00000002", "lora"):
         a = load_file(ours / f"{step}.safetensors")
         b = load_file(accumulating / f"{step}.safetensors")
         assert a.keys() == b.keys() and not [k for k in a if not torch.equal(a[k], b[k])], step
-    assert any(k.startswith("lora_unet_input_blocks_") for k in a)
+    return a
+
+
+def test_sdxl_two_processes_of_one_image_equal_one_process_accumulating_two(runs, tmp_path):
+    """sdxl_train_network.py under torchrun behaves as train_network.py (the equivalence case above)."""
+    last = equals_one_process_accumulating_two(runs, "sdxl_equivalence", tmp_path, sdxl, family="sdxl")
+    assert any(k.startswith("lora_unet_input_blocks_") for k in last)
 
 
 def test_fine_tune_on_two_processes_of_one_image_equals_one_process_accumulating_two(runs, tmp_path):
     """``fine_tune.py`` under torchrun: the whole U-Net's and text encoder's gradients averaged over the processes
     (the equivalence case above, for the model's own weights)."""
-    ours, accumulating = output(runs, "fine_tune_equivalence"), tmp_path / "accumulating"
-    with ddp_driver.patched({"noise_by_image": True, "losses_per_epoch": 2}, ddp_driver.Recorder()):
-        assert train_network.main(fine_tune(train_args(accumulating, *EQUIVALENCE, "--train_batch_size", "1",
-                                                       "--gradient_accumulation_steps", "2", data=runs["two"])),
-                                  script="fine_tune.py") == 0
-    for step in ("lora-step00000001", "lora-step00000002", "lora"):
-        a = load_file(ours / f"{step}.safetensors")
-        b = load_file(accumulating / f"{step}.safetensors")
-        assert a.keys() == b.keys() and not [k for k in a if not torch.equal(a[k], b[k])], step
-    first, last = load_file(ours / "lora-step00000001.safetensors"), load_file(ours / "lora.safetensors")
+    last = equals_one_process_accumulating_two(runs, "fine_tune_equivalence", tmp_path, fine_tune,
+                                               script="fine_tune.py")
+    first = load_file(output(runs, "fine_tune_equivalence") / "lora-step00000001.safetensors")
     assert sum(not torch.equal(first[k], last[k]) for k in first) > len(first) // 2  # updates 2 and 3 trained
 
 
