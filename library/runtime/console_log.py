@@ -105,6 +105,10 @@ KNOWN_HARMLESS = (
     ("bitsandbytes.backends.cpu.ops",
      r"Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'\. Please make sure you "
      r"already `pip install kernels` and the kernels >= 0\.11\.1"),
+    # torch 2.13's dynamo says this when an exception (a stop signal turned into KeyboardInterrupt) ends a compilation
+    # between the start and the end of its trace events: its event recorder (for chrome://tracing files, which the
+    # trainer never writes) pops the unfinished events itself. The stop's own line follows.
+    ("torch._dynamo.utils", r"ChromiumEventLogger: Detected overlapping events, fixing stack"),
 )
 
 

@@ -1,7 +1,8 @@
 """The other libraries' warnings that ``library/runtime/console_log.py`` hides (``KNOWN_HARMLESS``): exactly the
 messages diffusers 0.42.1 and transformers 5.24.0 print on the first screen of ``make demo`` (copied from that
 output) and the one bitsandbytes 0.50.2 prints when it is imported on a CPU with AVX512-BF16 (copied from the output
-of a run on a 2-core AMD EPYC that has it; issue 28), and nothing else of the same loggers."""
+of a run on a 2-core AMD EPYC that has it; issue 28), the one torch's dynamo prints when a stop signal ends a
+compilation (copied from the output of ``tests/e2e/test_stop_signals.py``), and nothing else of the same loggers."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from library.runtime import console_log
 DIFFUSERS = "diffusers.models.modeling_utils"
 TRANSFORMERS = "transformers.utils.import_utils"
 BITSANDBYTES = "bitsandbytes.backends.cpu.ops"
+DYNAMO = "torch._dynamo.utils"
 REPO = Path(__file__).resolve().parents[3]
 # as `make demo` printed them before they were hidden
 SHOWN_BY_DEMO = [
@@ -39,6 +41,8 @@ SHOWN_ON_AVX512_BF16 = [
     (BITSANDBYTES, "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. Please "
                    "make sure you already `pip install kernels` and the kernels >= 0.11.1"),
 ]
+# as torch printed it when a stop signal ended a --torch_compile run while it compiled (tests/e2e/test_stop_signals.py)
+SHOWN_WHEN_STOPPED_COMPILING = [(DYNAMO, "ChromiumEventLogger: Detected overlapping events, fixing stack")]
 STILL_SHOWN = [
     # a module that does ask for float32: the cast matters
     (DIFFUSERS, "There are modules in T5EncoderModel that should be kept in float32: ['wo']. Casting directly with "
@@ -53,8 +57,10 @@ STILL_SHOWN = [
     (BITSANDBYTES, "Failed to load CPU gemm_4bit_forward from kernels-community: cannot reach the Hub in offline "
                    "mode. Please make sure you already `pip install kernels` and the kernels >= 0.11.1"),
     ("bitsandbytes.other_module", SHOWN_ON_AVX512_BF16[0][1]),
+    (DYNAMO, "ChromiumEventLogger: Detected overlapping events"),
+    ("torch._dynamo.other_module", SHOWN_WHEN_STOPPED_COMPILING[0][1]),
 ]
-HIDDEN = SHOWN_BY_DEMO + SHOWN_ON_AVX512_BF16
+HIDDEN = SHOWN_BY_DEMO + SHOWN_ON_AVX512_BF16 + SHOWN_WHEN_STOPPED_COMPILING
 
 
 class Collect(logging.Handler):
