@@ -33,4 +33,3 @@ class DreamBoothConfig(CheckpointSaving):
     stop_text_encoder_training: int | None = flag(
         None, "train the text encoder for the first N updates only; 0 or a negative value: not at all (default: "
         "throughout)")
-
