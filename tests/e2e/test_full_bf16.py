@@ -48,7 +48,7 @@ def test_full_bf16_with_a_non_rounding_optimizer_warns(tmp_path, caplog):
 
 def test_torch_compile_inductor_on_a_small_module():
     """Inductor itself: it compiles the tiny UNet for minutes on two CPU cores, too long for CI, so the seed's setup
-    runs with ``aot_eager`` (``test_compile_report.py``)."""
+    runs with ``eager`` (``test_compile_report.py``)."""
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
     compiled = torch.compile(module, backend="inductor")
     x = torch.randn(4, 8)
