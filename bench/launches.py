@@ -80,14 +80,7 @@ def count_run(family: str, argv: list[str]) -> dict[str, Any]:
     from library.train.update import DeferredUpdater, FusedUpdater, ImmediateUpdater
     from tests.sync_counter import SyncCounter
 
-    class Counter(SyncCounter):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.ops += 1
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    counter = Counter()
+    counter = SyncCounter()
     tensors: list[int] = []
     windows: list[tuple[int, int]] = []
     marks = [0, 0]
@@ -107,8 +100,8 @@ def count_run(family: str, argv: list[str]) -> dict[str, Any]:
         def counted_update(self):
             result = update(self)
             tensors[:] = [len(self.params)]
-            windows.append((Counter.ops - marks[0], len(counter.syncs) - marks[1]))
-            marks[:] = [Counter.ops, len(counter.syncs)]
+            windows.append((counter.ops - marks[0], len(counter.syncs) - marks[1]))
+            marks[:] = [counter.ops, len(counter.syncs)]
             return result
         return counted_update
 
@@ -124,7 +117,7 @@ def count_run(family: str, argv: list[str]) -> dict[str, Any]:
             mode.update = update
     if code != 0:
         raise RuntimeError(f"the counted run exited with {code}")
-    return {"ops": Counter.ops, "syncs": len(counter.syncs), "tensors": tensors[0] if tensors else 0,
+    return {"ops": counter.ops, "syncs": len(counter.syncs), "tensors": tensors[0] if tensors else 0,
             "windows": windows, "sync_kinds": sorted(set(counter.syncs))}
 
 

@@ -41,6 +41,18 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def _inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments: a Tensor, or a list of them (``Tensor[]``, ``Tensor?[]``), is as deep
+    as an aten schema nests them. A flat loop: it runs for each of the hundreds of thousands of ops of a run."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(item for item in value if isinstance(item, torch.Tensor))
+    return found
+
+
 def _key(tensor: torch.Tensor) -> int:
     try:
         return tensor.untyped_storage().data_ptr()
@@ -67,11 +79,13 @@ def _blocking_transfer(name: str, args: tuple, kwargs: dict) -> bool:
 
 
 class SyncCounter(TorchDispatchMode):
-    """Records every host sync (as a short description) in ``syncs``; see the module docstring."""
+    """Records every host sync (as a short description) in ``syncs`` and counts the dispatched ops in ``ops``;
+    see the module docstring."""
 
     def __init__(self) -> None:
         super().__init__()
         self.syncs: list[str] = []
+        self.ops = 0
         self._host: set[int] = set()
         self._paused = 0
         self._originals = {name: getattr(torch.Tensor, name) for name in PYTHON_READS}
@@ -96,10 +110,16 @@ class SyncCounter(TorchDispatchMode):
         if not self._paused and _key(tensor) not in self._host:
             self._sync(what)
 
+    def _dispatched(self, name: str) -> None:
+        """Called for every dispatched op (by name) before it runs; counts it in ``ops``. Subclasses that count
+        more override this rather than ``__torch_dispatch__``, which torch wraps (dynamo disabled) once per class
+        that defines it: one wrapper costs about as much time as the bookkeeping here."""
+        self.ops += 1
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        inputs = list(_tensors((args, kwargs)))
+        self._dispatched(name)
         if not self._paused:
             if name == "_local_scalar_dense":
                 self._read(args[0], f"{name} ({args[0].dtype})")
@@ -113,14 +133,16 @@ class SyncCounter(TorchDispatchMode):
             elif _blocking_transfer(name, args, kwargs):
                 self._sync(f"blocking {name} between host and CUDA")
         result = func(*args, **kwargs)
+        if not self._host and not self._paused and name != "lift_fresh":
+            return result  # no host tensor yet: nothing to record or forget
+        inputs = _inputs(args, kwargs)
         host = self._paused or name == "lift_fresh" or (
-            bool(inputs) and bool(self._host) and all(_key(t) in self._host for t in inputs))
-        if host or self._host:  # nothing to record or forget while no tensor is a host tensor
-            for output in _tensors(result):
-                if host:
-                    self._host.add(_key(output))
-                else:
-                    self._host.discard(_key(output))
+            bool(inputs) and all(_key(t) in self._host for t in inputs))
+        for output in ((result,) if isinstance(result, torch.Tensor) else _tensors(result)):
+            if host:
+                self._host.add(_key(output))
+            else:
+                self._host.discard(_key(output))
         return result
 
     def __enter__(self) -> SyncCounter:

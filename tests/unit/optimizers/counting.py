@@ -63,12 +63,11 @@ class Counting(SyncCounter):
             self.cost.host_reads += 1
         super()._read(tensor, what)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = func.overloadpacket.__name__
+    def _dispatched(self, name: str) -> None:
+        super()._dispatched(name)
         self.cost.ops[name] += 1
         if name == "lift_fresh":
             self.cost.uploads += 1
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def __enter__(self) -> Counting:
         self._eager = torch.compiler.set_stance("force_eager")
