@@ -304,7 +304,8 @@ def _models(cfg: TrainConfig, ready: Prepared, processes: process_group.Processe
             max_token_length=cfg.model.max_token_length, batch_size=cfg.data.train_batch_size,
             suffix=cfg.family.text_cache_suffix, weighted=cfg.model.weighted_captions, share=processes.owns_item,
             wait=processes.caching_done, progress=caching)
-    clock = model_setup.compile_unet(model, cfg.precision, cfg.family.denoiser_name)
+    clock = model_setup.compile_unet(model, cfg.precision, cfg.family.denoiser_name,
+                                     bucket_shapes=len({reso for ds in data.datasets for reso, _ in ds.buckets}))
     return Models(device=device, policy=policy, model=model, network=network, train_text_encoder=train_te,
                   compile_clock=clock)
 

@@ -101,7 +101,8 @@ def test_hitting_the_recompile_limit_is_one_warning_naming_torch_compile(caplog)
     model = SimpleNamespace(unet=Recompiling())
     # torch's own patch: its undo restores the limit (monkeypatch's undo leaves dynamo's config broken)
     with torch._dynamo.config.patch(recompile_limit=2):
-        model_setup.compile_unet(model, PrecisionConfig(torch_compile=True, dynamo_backend="eager"), "UNet")
+        model_setup.compile_unet(model, PrecisionConfig(torch_compile=True, dynamo_backend="eager"), "UNet",
+                                 bucket_shapes=1)
         model_setup.watch_recompile_limit().warned = False
         with caplog.at_level(logging.WARNING, logger="library.families.model_setup"):
             for step in range(5):
@@ -110,3 +111,25 @@ def test_hitting_the_recompile_limit_is_one_warning_naming_torch_compile(caplog)
     ours = [r.getMessage() for r in caplog.records if r.name == "library.families.model_setup"]
     assert len(ours) == 1
     assert ours[0].startswith("--torch_compile: dynamo hit torch._dynamo.config.recompile_limit (2)")
+
+
+class Pooling(torch.nn.Module):
+    """A stand-in denoiser whose output follows the latents' size."""
+
+    def forward(self, sample: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.avg_pool2d(sample, 2) * 2
+
+
+@pytest.mark.parametrize(("bucket_shapes", "graphs"), [(1, 2), (3, 1)])
+def test_only_a_run_of_several_bucket_shapes_compiles_them_dynamic(bucket_shapes, graphs):
+    """One bucket: dynamo traces the static shape (a second shape, which such a run never has, would compile again);
+    several: the first graph already has symbolic height and width and serves the second shape too."""
+    model = SimpleNamespace(unet=Pooling())
+    torch._dynamo.reset()
+    counters.clear()
+    model_setup.compile_unet(model, PrecisionConfig(torch_compile=True, dynamo_backend="eager"), "UNet",
+                             bucket_shapes=bucket_shapes)
+    for height, width in ((8, 8), (8, 12)):
+        out = model.unet(torch.ones(1, 4, height, width))
+        assert out.shape == (1, 4, height // 2, width // 2)
+    assert counters["stats"]["unique_graphs"] == graphs
