@@ -52,7 +52,6 @@ from library.saving.metadata import Metadata
 from library.saving.state_file import write_state
 from library.train.finite import describe, floating_tensors, non_finite_names
 from library.train.position import Position, SaveHooks
-from networks.lora_format import cast_for_saving
 
 SAVE_FORMATS = ("safetensors", "ckpt", "pt")
 
@@ -147,8 +146,11 @@ class Saver:
 
     def check(self, network, stem: str, state: tuple[dict[str, Any], dict[str, Any]] | None) -> None:
         """Refuse (``TrainingDiverged``, nothing written) a save whose LoRA or state would hold NaN or Inf."""
-        weights = cast_for_saving(network.state_dict(), self.dtype)
-        bad = non_finite_names(weights)
+        weights = network.state_dict()
+        # checked in the save dtype without the copies of the file's tensors; a scalar that the cast would overflow
+        # is written in its own dtype (``cast_for_saving``), so it counts only when non-finite already
+        bad = [name for name in non_finite_names(weights, self.dtype)
+               if weights[name].dim() or not torch.isfinite(weights[name])]
         if bad:
             cast = f" in {str(self.dtype).removeprefix('torch.')} (--save_precision)" if self.dtype else ""
             raise TrainingDiverged(f"not writing {self.lora_path(stem)}: {describe(bad, len(weights))}{cast}",
