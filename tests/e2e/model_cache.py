@@ -9,14 +9,22 @@ all four, and any other model (a folder, a file, a replaced VAE) still loads for
 the tokenizers, which are shared: nothing in a run changes one (``library/`` sets no tokenizer attribute after
 loading), and their deep copy costs more than the U-Net's. Modules are copied by ``module_copy``, which gives what
 ``copy.deepcopy`` gives at a third of its time (tiny SDXL: 0.07 s instead of 0.17 s, once per case).
+
+``shallow_tiny_sdxl`` makes ``builtin:tiny-sdxl`` shallower for such tests: one transformer layer per U-Net block
+and two layers per text encoder, where the built-in model keeps SDXL's depths (transformer layers 1/2/10, text
+encoders 12 and 32 layers) so that its LoRA has SDXL's module names. A flag's handling does not depend on the
+depth, and the shallow model's LoRA has 156 modules instead of 986.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -88,3 +96,22 @@ def cached_builtin_models() -> Iterator[dict[str, Any]]:
             patch.setattr(family, "load", caching(family.load))
         yield built
     built.clear()
+
+
+@contextmanager
+def shallow_tiny_sdxl(folder: Path) -> Iterator[None]:
+    """Within the block ``builtin:tiny-sdxl`` is built from a copy of its bundled config (written into ``folder``)
+    with one transformer layer per U-Net block and two layers per text encoder (SDXL reads the penultimate one)."""
+    from library.families.sdxl import loading
+
+    original = loading.config_dir
+    shallow = folder / "tiny-sdxl"
+    shutil.copytree(original("tiny-sdxl"), shallow)
+    for part, key, value in (("unet", "transformer_layers_per_block", [1, 1, 1]),
+                             ("text_encoder", "num_hidden_layers", 2), ("text_encoder_2", "num_hidden_layers", 2)):
+        config = json.loads((shallow / part / "config.json").read_text(encoding="utf-8"))
+        config[key] = value
+        (shallow / part / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loading, "config_dir", lambda name: shallow if name == "tiny-sdxl" else original(name))
+        yield

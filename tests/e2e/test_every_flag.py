@@ -4,7 +4,10 @@ other exit code. The cases come from the parsers (``tests/e2e/flag_examples.py``
 flag or family adds its cases by itself. A case is one update of one 64x64 image in this process; the LoRA and
 state that some flags read come from one first run per family. Each built-in model is built once per set of load
 inputs and each case trains a deep copy (``tests/e2e/model_cache.py``); a case whose flags change what the loader
-receives (``--vae``, ``--v2``, a precision that changes the frozen dtype, ...) builds its own."""
+receives (``--vae``, ``--v2``, a precision that changes the frozen dtype, ...) builds its own. SDXL's tiny model is
+made shallower here (``shallow_tiny_sdxl``: one transformer layer per block, two-layer text encoders), which the
+flags do not notice; its 204 cases take 59 s alone instead of 328 s. Its full depth, and with it SDXL's LoRA module
+names, is tested where the names matter (``tests/unit/networks/test_sdxl_lora.py``)."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from tests.e2e.flag_examples import (
     script_parsers,
     shared_flags,
 )
-from tests.e2e.model_cache import cached_builtin_models
+from tests.e2e.model_cache import cached_builtin_models, shallow_tiny_sdxl
 
 SAMPLES = Path(__file__).resolve().parents[2] / "configs" / "sample_data"
 FLAGS = shared_flags()
@@ -82,9 +85,10 @@ def garbage_collected_young():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def models_built_once():
-    """The built-in models, built once per set of load inputs for the whole module (``tests/e2e/model_cache.py``)."""
-    with cached_builtin_models() as built:
+def models_built_once(tmp_path_factory):
+    """The built-in models, built once per set of load inputs for the whole module (``tests/e2e/model_cache.py``),
+    SDXL's shallower."""
+    with shallow_tiny_sdxl(tmp_path_factory.mktemp("configs")), cached_builtin_models() as built:
         yield built
 
 
