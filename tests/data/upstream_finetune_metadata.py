@@ -111,14 +111,19 @@ def debug_messages(stdout: str) -> list[str]:
     return messages[start + 1:end]
 
 
-def parser_record(upstream: Path, tool: str) -> list[dict]:
-    """Each argument of the tool's ``setup_parser()``: its flags (or positional name), default, action and type."""
-    sys.path.insert(0, str(upstream))
-    sys.path.insert(0, str(upstream / "finetune"))
-    module = __import__(tool)
+def parser_arguments(parser: argparse.ArgumentParser) -> list[dict]:
+    """Each argument of ``parser``: its flags (or positional name), dest, default, action, type and choices (what the
+    tests compare between upstream's tools and ours)."""
     return [{"flags": action.option_strings or [action.dest], "dest": action.dest, "default": action.default,
              "action": type(action).__name__, "type": getattr(action.type, "__name__", None),
-             "choices": action.choices} for action in module.setup_parser()._actions]
+             "choices": action.choices} for action in parser._actions]
+
+
+def parser_record(upstream: Path, tool: str) -> list[dict]:
+    """``parser_arguments`` of the upstream tool's ``setup_parser()`` (importing it runs nothing)."""
+    sys.path.insert(0, str(upstream))
+    sys.path.insert(0, str(upstream / "finetune"))
+    return parser_arguments(__import__(tool).setup_parser())
 
 
 def main() -> None:

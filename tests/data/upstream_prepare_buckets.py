@@ -130,17 +130,6 @@ def run_case(script: Path, args: list[str], root: Path, env: dict[str, str]) -> 
             "out_json_written": (root / args[2]).exists()}
 
 
-def parser_record(upstream: Path) -> list[dict]:
-    """Each argument of the script's ``setup_parser()``: flags (or positional name), default, action, type, choices.
-    Importing the script loads torch; nothing runs."""
-    sys.path.insert(0, str(upstream))
-    sys.path.insert(0, str(upstream / "finetune"))
-    module = __import__("prepare_buckets_latents")
-    return [{"flags": action.option_strings or [action.dest], "dest": action.dest, "default": action.default,
-             "action": type(action).__name__, "type": getattr(action.type, "__name__", None),
-             "choices": action.choices} for action in module.setup_parser()._actions]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     peer = os.environ.get("PEER_DIR")
@@ -170,7 +159,10 @@ def main() -> None:
             record["facts"][fact] = run_case(script, arguments(args, model), root, env)
             print(f"{fact}: {record['facts'][fact]['returncode']}", flush=True)
     (out / "record.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    (out / "parser.json").write_text(json.dumps(parser_record(upstream), indent=1) + "\n")
+    sys.path.insert(0, str(REPO))
+    from tests.data.upstream_finetune_metadata import parser_record  # the metadata tools' generator reads them alike
+
+    (out / "parser.json").write_text(json.dumps(parser_record(upstream, "prepare_buckets_latents"), indent=1) + "\n")
     print(f"wrote {out}: {len(CASES)} cases, {len(FACTS)} facts")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from finetune import merge_captions_to_metadata, merge_dd_tags_to_metadata
-from tests.data.upstream_finetune_metadata import CAPTIONS, CASES, TAGS, build_inputs
+from tests.data.upstream_finetune_metadata import CAPTIONS, CASES, TAGS, build_inputs, parser_arguments
 
 EXPECTED = Path(__file__).resolve().parents[2] / "data" / "upstream_finetune_metadata"
 TOOLS = {CAPTIONS: merge_captions_to_metadata, TAGS: merge_dd_tags_to_metadata}
@@ -40,16 +40,10 @@ def test_files_and_debug_lines_are_upstreams(inputs, caplog):
     assert wrong == []
 
 
-def _arguments(parser) -> list[dict]:
-    return [{"flags": a.option_strings or [a.dest], "dest": a.dest, "default": a.default,
-             "action": type(a).__name__, "type": getattr(a.type, "__name__", None), "choices": a.choices}
-            for a in parser._actions]
-
-
 @pytest.mark.parametrize("tool", [CAPTIONS, TAGS])
 def test_arguments_are_upstreams(tool):
     upstream = json.loads((EXPECTED / "parsers.json").read_text())[tool]
-    assert _arguments(TOOLS[tool].setup_parser()) == upstream
+    assert parser_arguments(TOOLS[tool].setup_parser()) == upstream
 
 
 def _refused(capsys, tool, args: list[str], *words: str) -> None:

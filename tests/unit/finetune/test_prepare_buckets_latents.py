@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from finetune import prepare_buckets_latents as tool
+from tests.data.upstream_finetune_metadata import parser_arguments
 from tests.data.upstream_prepare_buckets import CASES, MODEL, build_inputs
 
 EXPECTED = Path(__file__).resolve().parents[2] / "data" / "upstream_prepare_buckets"
@@ -59,14 +60,8 @@ def test_out_json_and_warnings_are_upstreams(inputs, caplog, monkeypatch):
     assert wrong == []
 
 
-def _arguments(parser) -> list[dict]:
-    return [{"flags": a.option_strings or [a.dest], "dest": a.dest, "default": a.default,
-             "action": type(a).__name__, "type": getattr(a.type, "__name__", None), "choices": a.choices}
-            for a in parser._actions]
-
-
 def test_arguments_are_upstreams():
-    assert _arguments(tool.setup_parser()) == json.loads((EXPECTED / "parser.json").read_text())
+    assert parser_arguments(tool.setup_parser()) == json.loads((EXPECTED / "parser.json").read_text())
 
 
 def _written(root: Path) -> list[str]:
