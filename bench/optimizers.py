@@ -104,8 +104,9 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
 
 
 def state_bytes(optimizer: Optimizer) -> int:
-    """Bytes of distinct storages the optimizer keeps between steps: its state, and for the in-project optimizers and
-    the rounding wrapper also their working buffers (``persistent_tensors``); views of one buffer counted once."""
+    """Bytes of distinct storages the optimizer keeps between steps: its state, and for the in-project optimizers
+    also their working buffers (``persistent_tensors``; the rounding wrapper keeps none); views of one buffer counted
+    once."""
     holders: list[Any] = [dict(optimizer.state)]
     if isinstance(optimizer, StochasticRoundingWrapper):
         holders = [dict(optimizer.inner.state)]

@@ -58,28 +58,34 @@ _NO_SR_8BIT = {
 REGISTRY: dict[str, OptimizerSpec] = {
     "AdamW": OptimizerSpec(
         name="AdamW", aliases=("", "ADAMW"), factory=ClassFactory(_TORCH, "AdamW"), options=tables.TORCH_ADAMW,
+        fused_backward=True,
         citation="torch.optim.AdamW; Loshchilov & Hutter 2019, Decoupled Weight Decay Regularization",
     ),
     "Adam": OptimizerSpec(
         name="Adam", factory=ClassFactory(_TORCH, "Adam"), options=tables.TORCH_ADAM,
+        fused_backward=True,
         citation="torch.optim.Adam; Kingma & Ba 2015, Adam: A Method for Stochastic Optimization",
     ),
     "SGD": OptimizerSpec(
         name="SGD", factory=ClassFactory(_TORCH, "SGD"), options=tables.TORCH_SGD,
+        fused_backward=True,
         citation="torch.optim.SGD (momentum as in Sutskever et al. 2013)",
     ),
     "SGDNesterov": OptimizerSpec(
         name="SGDNesterov",
         factory=ClassFactory(_TORCH, "SGD", preset={"momentum": 0.9}, fixed={"nesterov": True}),
         options=tables.TORCH_SGD_NESTEROV,
+        fused_backward=True,
         citation="torch.optim.SGD with nesterov=True, momentum 0.9 if not given (kohya-ss/sd-scripts rule)",
     ),
     "Adagrad": OptimizerSpec(
         name="Adagrad", factory=ClassFactory(_TORCH, "Adagrad"), options=tables.TORCH_ADAGRAD,
+        fused_backward=True,
         citation="torch.optim.Adagrad; Duchi, Hazan & Singer 2011",
     ),
     "RMSprop": OptimizerSpec(
         name="RMSprop", factory=ClassFactory(_TORCH, "RMSprop"), options=tables.TORCH_RMSPROP,
+        fused_backward=True,
         citation="torch.optim.RMSprop; Hinton, Coursera lecture 6e (2012)",
     ),
     "LAMB": OptimizerSpec(
@@ -97,6 +103,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
     "Lion": OptimizerSpec(
         name="Lion", factory=ClassFactory("lion_pytorch", "Lion", LION_PYTORCH), options=tables.LION,
         package=LION_PYTORCH,
+        fused_backward=True,
         citation="lion_pytorch.Lion; Chen et al. 2023, Symbolic Discovery of Optimization Algorithms (EvoLved Sign "
         "Momentum)",
     ),
@@ -221,6 +228,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
     ),
     "Adafactor": OptimizerSpec(
         name="Adafactor", factory=adafactor_factory, options=tables.ADAFACTOR, package=TRANSFORMERS, sr_default=True,
+        fused_backward=True,
         citation="transformers.optimization.Adafactor; Shazeer & Stern 2018 (SR on bf16 via the rounding wrapper, on "
         "by default as in OneTrainer)",
     ),
@@ -314,11 +322,14 @@ def _construct(spec_name: str, build: Any) -> Optimizer:
         raise OptimizerConfigError(f"optimizer {spec_name} rejected its settings: {error}") from error
 
 
-def build_optimizer(name: str | None, param_groups: Iterable[Any], lr: float | None, **options: Any) -> Optimizer:
+def build_optimizer(name: str | None, param_groups: Iterable[Any], lr: float | None, *, in_spans: bool = False,
+                    **options: Any) -> Optimizer:
     """Build the optimizer ``name`` over ``param_groups`` (tensors or group dicts) with base ``lr`` and options.
 
     Non-native entries take ``stochastic_rounding`` (default per entry: on for Adafactor, off otherwise) and ``seed``:
-    when on and some parameters are bf16, the optimizer runs inside ``StochasticRoundingWrapper``.
+    when on and some parameters are bf16, the optimizer runs inside ``StochasticRoundingWrapper``. ``in_spans``: the
+    caller steps it a run of tensors at a time (``spans`` / ``step_span``, the fused backward pass), which the
+    entries with ``fused_backward`` allow; a wrapped one is then wrapped even without stochastic rounding.
     """
     spec = find_spec(name)
     groups = _as_groups(param_groups)
@@ -327,16 +338,19 @@ def build_optimizer(name: str | None, param_groups: Iterable[Any], lr: float | N
         return _construct(str(name), lambda: optimizer_class(groups, lr=lr, **options))
     resolved = resolve_options(spec, options)
     _check_rounding(spec, resolved)
+    if in_spans and not spec.fused_backward:
+        raise OptimizerConfigError(f"{spec.name} cannot step a part of its tensors (the fused backward pass); use "
+                                   f"one of {', '.join(s.name for s in REGISTRY.values() if s.fused_backward)}")
     if spec.stochastic_rounding == "native":
         return _construct(spec.name, lambda: spec.factory(groups, lr, resolved))
     rounding = bool(resolved.pop("stochastic_rounding", spec.sr_default))
     seed = int(resolved.pop("seed", 0))
     has_bf16 = any(param.dtype == torch.bfloat16 for group in groups for param in group["params"])
-    if not (rounding and has_bf16):
+    if not (rounding and has_bf16 or in_spans):
         return _construct(spec.name, lambda: spec.factory(groups, lr, resolved))
-    return _construct(
-        spec.name, lambda: StochasticRoundingWrapper(groups, lambda inner: spec.factory(inner, lr, resolved), seed)
-    )
+    return _construct(spec.name, lambda: StochasticRoundingWrapper(
+        groups, lambda inner: spec.factory(inner, lr, resolved), seed, stochastic_rounding=rounding,
+        tensorwise=spec.fused_backward))
 
 
 __all__ = [

@@ -179,6 +179,19 @@ class SROptimizer(Optimizer):
         self._step_span(group, layout, span, active, aligned(apply, positions, span),
                         aligned(grad_scale, positions, span))
 
+    def host_state(self, param: Tensor) -> dict[str, Any] | None:
+        """What a masked ``step_span`` cannot put back on the device: ``param``'s host-side state (its step
+        counter...), None when it has none yet."""
+        state = self.state.get(param)
+        return {key: value for key, value in state.items() if not isinstance(value, Tensor)} if state else None
+
+    def restore_host_state(self, param: Tensor, saved: dict[str, Any] | None) -> None:
+        """``host_state`` as it was before a step whose ``apply`` turned out False."""
+        if saved is None:
+            self.state.pop(param, None)
+        else:
+            self.state[param].update(saved)
+
     @torch.no_grad()
     def step_parameter(self, param: Tensor) -> None:
         """Step one parameter now (fused backward pass); a no-op when it has no gradient."""

@@ -24,6 +24,8 @@ class OptimizerConfigError(ValueError):
 class OptimizerSpec:
     """One registry entry.
 
+    ``fused_backward``: the update of a tensor depends on that tensor's gradient and state alone, so the optimizer
+    can step a part of its tensors (``--fused_backward_pass``; a wrapped one through ``StochasticRoundingWrapper``).
     ``options`` maps every keyword the factory accepts (the library's own spelling) to its default; seed-001 spellings
     ("Initial D", "EPS 2", "Beta1", ...) are resolved onto these names by ``optimizers.options``. ``renames`` maps a
     generic option name onto this optimizer's keyword where they differ (e.g. ``bias_correction`` ->

@@ -1,18 +1,31 @@
 """Generic stochastic-rounding wrapper for optimizers that have no SR of their own (docs/optimizers.md §2.1).
 
-The wrapped optimizer steps fp32 working copies ("shadows") of the bf16 parameters with its own fp32 state; each
-shadow is then written back into its bf16 parameter with stochastic rounding (``optimizers.rounding``), so updates
-smaller than half a bf16 ulp survive in expectation instead of vanishing under round-to-nearest. fp32 parameters
-need no shadow and are stepped directly.
+The wrapped optimizer steps fp32 working copies ("shadows") of the parameters with its own fp32 state; each shadow
+of a bf16 parameter is then written back with stochastic rounding (``optimizers.rounding``), so updates smaller than
+half a bf16 ulp survive in expectation instead of vanishing under round-to-nearest (``stochastic_rounding=False``:
+round-to-nearest, for a run that steps in spans without SR). fp32 parameters are copied back exactly.
 
-Shadows and their gradients are persistent views into one fp32 buffer per device (8 bytes per bf16 parameter, kept
-between steps: the wrapped optimizer's state is keyed by the shadow tensors), so a step costs a constant number of
-ops whatever the number of tensors: one ``_foreach_copy_`` widens the parameters that have a gradient, one their
-gradients, the wrapped optimizer steps, one stochastic rounding pass over the buffer draws its bits from a single
-counter-based stream (``rounding.element_bits`` of (element index in the buffer, wrapper step, ``seed``): no
-generator, no per-tensor reseeding) and one ``_foreach_copy_`` writes the rounded values back (exact: they are bf16
-values). Parameters without a gradient this step are left alone. A torch optimizer left at ``foreach=None`` is
-stepped with ``foreach=True`` (torch picks it on CUDA only; on the CPU its default is a per-tensor loop).
+Shadows are transient: each is a tensor object (the key of the wrapped optimizer's state) that views a block of
+fp32 value and gradient buffers (consecutive tensors of one group, device and dtype), whose storage exists only while
+the block is stepped and is released after it (``UntypedStorage.resize_``, as FSDP frees its flat parameters), so
+between steps the wrapper keeps nothing per parameter beyond the wrapped optimizer's state. A block costs a constant
+number of ops whatever its length: one ``_foreach_copy_`` widens the parameters that have a gradient, one their
+gradients, the wrapped optimizer steps, one stochastic rounding pass over the block and one ``_foreach_copy_`` writes
+back. Parameters without a gradient this step are left alone. A torch optimizer left at ``foreach=None`` is stepped
+with ``foreach=True`` (torch picks it on CUDA only; on the CPU its default is a per-tensor loop).
+
+``tensorwise`` (the registry's ``fused_backward``: optimizers whose update of a tensor depends on that tensor alone,
+such as AdamW, Adafactor, Lion, SGD) steps block by block, blocks of at most ``CHUNK_NUMEL`` elements, so the fp32
+buffers of a step never exceed a block (SDXL's U-Net and text encoders: 3.5 B parameters, 26 GiB of fp32 copies
+otherwise), and gives ``spans`` / ``step_span``: the fused backward pass steps a block of at most ``size`` tensors
+inside backward, with a per-tensor ``apply`` mask (where False, the weights and the state on the parameter's device
+keep their values; host-side state is put back by the caller through ``host_state`` / ``restore_host_state``) and a
+per-tensor gradient factor (clipping). Other optimizers (D-Adaptation, Prodigy: one step size from all tensors) step
+everything in one call of the wrapped optimizer.
+
+Random bits follow the in-project optimizers (``optimizers.base``): a hash of (element index in its tensor, the
+tensor's step count, a seed from ``seed`` and the tensor's position in the optimizer), so chunks, spans and resumed
+runs draw exactly the bits of one uninterrupted step.
 
 Not sound for 8-bit or paged bitsandbytes optimizers (the registry refuses it there): paging is tied to a parameter's
 storage, and with 8-bit blockwise state the quantization error of the state dominates the rounding error of the
@@ -21,13 +34,14 @@ weights (bitsandbytes#1165: SR with 8-bit state "did not help").
 The wrapper is a ``torch.optim.Optimizer`` whose ``param_groups`` hold the real parameters (LR schedulers and
 gradient clipping work on it as usual); group hyper-parameters are copied into the wrapped optimizer before each step
 and back after it (so D-Adaptation's ``d`` is visible). ``state_dict`` is the wrapped optimizer's, plus the rounding
-seed and step under ``"stochastic_rounding"`` so that a resumed run rounds exactly as an uninterrupted one.
+seed and each tensor's step count under ``"stochastic_rounding"``, so that a resumed run rounds exactly as an
+uninterrupted one.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,57 +54,13 @@ from optimizers.rounding import bits_seed, element_bits, round_bits, tensor_seed
 from optimizers.spec import OptimizerConfigError
 
 SR_KEY = "stochastic_rounding"
+CHUNK_NUMEL = 1 << 26  # elements per run of a tensorwise step: 512 MiB of fp32 values and gradients
 
 
-def round_shadows_(values: Tensor, seed: Tensor) -> None:
-    """Stochastically round the flat fp32 ``values`` in place to bf16-exact values (bits of one counter stream)."""
-    index = torch.arange(values.numel(), dtype=torch.int32, device=values.device)
-    values.copy_(round_bits(values, element_bits(index, seed) & 0xFFFF))
-
-
-class _Shadows:
-    """The fp32 shadows of the bf16 parameters on one device: views into one value and one gradient buffer."""
-
-    def __init__(self, params: list[Tensor], seed: int) -> None:
-        self.params = params
-        self.seed = seed
-        self.compile_failed = False
-        total = sum(param.numel() for param in params)
-        self.values = torch.zeros(total, dtype=torch.float32, device=params[0].device)
-        self.grads = torch.zeros_like(self.values)
-        self.views, self.grad_views, offset = [], [], 0
-        for param in params:
-            self.views.append(self.values[offset:offset + param.numel()].view_as(param))
-            self.grad_views.append(self.grads[offset:offset + param.numel()].view_as(param))
-            offset += param.numel()
-        with torch.no_grad():
-            torch._foreach_copy_(self.views, params)
-
-    def widen(self) -> list[int]:
-        """Copy the parameters that have a gradient and their gradients in; hand the gradients to the shadows."""
-        active = [i for i, param in enumerate(self.params) if param.grad is not None]
-        for i, (view, grad_view) in enumerate(zip(self.views, self.grad_views, strict=True)):
-            view.grad = grad_view if self.params[i].grad is not None else None
-        if active:
-            torch._foreach_copy_([self.views[i] for i in active], [self.params[i] for i in active])
-            torch._foreach_copy_([self.grad_views[i] for i in active], [self.params[i].grad for i in active])
-        return active
-
-    def write_back(self, active: list[int], step: int) -> None:
-        """Round the buffer stochastically and copy the rounded values into the parameters ``active``."""
-        if not active:
-            return
-        seed = to_device([bits_seed(self.seed, step)], torch.int32, self.values.device)
-        if self.values.numel() >= AUTO_NUMEL and not self.compile_failed:
-            try:
-                compiled_kernel(round_shadows_, self.values.device)(self.values, seed)
-            except Exception as error:
-                warnings.warn(f"stochastic rounding wrapper: torch.compile failed ({type(error).__name__}: {error}); "
-                              "rounding eagerly from now on (same bits, slower)", stacklevel=3)
-                self.compile_failed = True
-        if self.values.numel() < AUTO_NUMEL or self.compile_failed:
-            round_shadows_(self.values, seed)
-        torch._foreach_copy_([self.params[i] for i in active], [self.views[i] for i in active])
+def round_shadows_(values: Tensor, local_index: Tensor, seeds: Tensor) -> None:
+    """Stochastically round the flat fp32 ``values`` in place to bf16-exact values; ``local_index``: each element's
+    index in its tensor, ``seeds``: its tensor's ``bits_seed`` (int32, one per element)."""
+    values.copy_(round_bits(values, element_bits(local_index, seeds) & 0xFFFF))
 
 
 def prefer_foreach(optimizer: Optimizer) -> bool:
@@ -111,42 +81,101 @@ def prefer_foreach(optimizer: Optimizer) -> bool:
     return changed
 
 
+class _Block:
+    """Consecutive tensors of one group, device and dtype, stepped together: their shadows view the block's fp32
+    value and gradient buffers, whose storage exists only while the block is stepped."""
+
+    def __init__(self, params: list[Tensor], shadows: list[Tensor]) -> None:
+        self.params = params
+        self.sizes = [param.numel() for param in params]
+        self.starts = [sum(self.sizes[:index]) for index in range(len(params))]
+        device = params[0].device
+        self.values = torch.empty(sum(self.sizes), dtype=torch.float32, device=device)
+        self.grads = torch.empty_like(self.values)
+        self.views = [view.view_as(p) for view, p in zip(self.values.split(self.sizes), params, strict=True)]
+        self.grad_views = [view.view_as(p) for view, p in zip(self.grads.split(self.sizes), params, strict=True)]
+        self.counts = to_device(self.sizes, torch.int64, device)
+        self.index = {param: position for position, param in enumerate(params)}
+        self.shadows = shadows
+        for shadow, view in zip(shadows, self.views, strict=True):
+            shadow.data = view
+        self._bytes = self.values.untyped_storage().nbytes()
+        self.release()
+
+    def allocate(self) -> None:
+        for buffer in (self.values, self.grads):
+            buffer.untyped_storage().resize_(self._bytes)
+
+    def release(self) -> None:
+        for buffer in (self.values, self.grads):
+            buffer.untyped_storage().resize_(0)
+
+    def spread(self, per_tensor: Tensor) -> Tensor:
+        """One value per tensor of the block, repeated over its elements (no host sync)."""
+        return torch.repeat_interleave(per_tensor, self.counts, output_size=self.values.numel())
+
+
+def _cut(params: list[Tensor], max_tensors: int) -> list[list[Tensor]]:
+    """``params`` cut into runs of consecutive tensors: at most ``max_tensors`` of them and ``CHUNK_NUMEL``
+    elements (a larger tensor alone)."""
+    runs: list[list[Tensor]] = []
+    size = 0
+    for param in params:
+        if not runs or len(runs[-1]) == max_tensors or size + param.numel() > CHUNK_NUMEL:
+            runs.append([])
+            size = 0
+        runs[-1].append(param)
+        size += param.numel()
+    return runs
+
+
 class StochasticRoundingWrapper(Optimizer):
-    """Step ``inner`` on fp32 shadows of bf16 parameters and write back with stochastic rounding.
+    """Step ``inner`` on transient fp32 shadows of the parameters and write back (SR for bf16).
 
     A torch optimizer left at ``foreach=None`` is switched to ``foreach=True`` (``prefer_foreach``), so the wrapped
     step launches a number of kernels that does not grow with the number of tensors on the CPU as well as on CUDA
     (also after loading a state dict saved with ``foreach=None``; one saved with ``foreach=False`` keeps it).
     """
 
-    def __init__(
-        self,
-        param_groups: list[dict[str, Any]],
-        build_inner: Callable[[list[dict[str, Any]]], Optimizer],
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, param_groups: list[dict[str, Any]], build_inner: Callable[[list[dict[str, Any]]], Optimizer],
+                 seed: int = 0, *, stochastic_rounding: bool = True, tensorwise: bool = False) -> None:
         super().__init__(param_groups, {})
-        self.seed = seed
-        self.sr_step = 0
-        by_device: dict[torch.device, list[Tensor]] = {}
+        self.seed, self.stochastic_rounding, self.tensorwise = seed, stochastic_rounding, tensorwise
+        self.compile_failed = False
+        self._shadow: dict[Tensor, Tensor] = {}
+        self._position: dict[Tensor, int] = {}
+        self._sr_steps: dict[Tensor, int] = {}
+        self._buckets: list[list[Tensor]] = []  # the params of one group, device and dtype, in group order
+        inner_groups = []
         for group in self.param_groups:
+            buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
             for param in group["params"]:
                 if param.dtype not in (torch.bfloat16, torch.float32):
-                    raise OptimizerConfigError(
-                        f"stochastic rounding supports bf16 (and fp32) parameters, not {param.dtype}; "
-                        "train in bf16 or turn stochastic_rounding off"
-                    )
-                if param.dtype == torch.bfloat16:
-                    by_device.setdefault(param.device, []).append(param)
-        self._shadows = [_Shadows(params, tensor_seed(seed, position))
-                         for position, params in enumerate(by_device.values())]
-        shadow_of = {param: view for shadows in self._shadows
-                     for param, view in zip(shadows.params, shadows.views, strict=True)}
-        inner_groups = [{**group, "params": [shadow_of.get(param, param) for param in group["params"]]}
-                        for group in self.param_groups]
+                    raise OptimizerConfigError(f"stochastic rounding supports bf16 (and fp32) parameters, not "
+                                               f"{param.dtype}; train in bf16 or turn stochastic_rounding off")
+                self._shadow[param] = torch.empty(0, dtype=torch.float32, device=param.device)
+                self._position[param], self._sr_steps[param] = len(self._position), 0
+                buckets.setdefault((param.device, param.dtype), []).append(param)
+            inner_groups.append({**group, "params": [self._shadow[param] for param in group["params"]]})
+            self._buckets += buckets.values()
+        self._bf16_numel: dict[torch.device, int] = {}
+        for param in self._position:
+            if param.dtype == torch.bfloat16:
+                self._bf16_numel[param.device] = self._bf16_numel.get(param.device, 0) + param.numel()
+        self._blocks: list[_Block] = []
+        self._block_of: dict[Tensor, _Block] = {}
+        self._build_blocks(0)
         self.inner = build_inner(inner_groups)
         prefer_foreach(self.inner)
         self._pull_hyperparameters()
+
+    def _build_blocks(self, max_tensors: int) -> None:
+        """Cut every bucket into blocks of at most ``max_tensors`` tensors (0: any number) and ``CHUNK_NUMEL``
+        elements; the shadows (same objects, so the wrapped optimizer's state stays theirs) view the new blocks."""
+        self._max_tensors = max_tensors
+        self._blocks = [_Block(run, [self._shadow[param] for param in run])
+                        for bucket in self._buckets for run in _cut(bucket, max_tensors)]
+        self._block_of = {param: block for block in self._blocks for param in block.params}
 
     def _push_hyperparameters(self) -> None:
         for outer, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
@@ -156,27 +185,160 @@ class StochasticRoundingWrapper(Optimizer):
         for outer, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             outer.update({key: value for key, value in inner.items() if key != "params"})
 
-    def persistent_tensors(self) -> list[Tensor]:
-        """The shadow buffers kept between steps (the wrapped optimizer's state comes on top)."""
-        return [buffer for shadows in self._shadows for buffer in (shadows.values, shadows.grads)]
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Widen, step the wrapped optimizer, write back with SR."""
+        """Step every parameter that has a gradient: block by block (``tensorwise``), else all blocks in one call
+        of the wrapped optimizer."""
         loss = run_closure(closure)
-        self.sr_step += 1
-        active = [shadows.widen() for shadows in self._shadows]
+        work = [(block, active) for block in self._blocks
+                if (active := [i for i, param in enumerate(block.params) if param.grad is not None])]
+        if self.tensorwise:
+            for block, active in work:
+                self._step_blocks([(block, active)])
+        else:
+            self._step_blocks(work)
+        return loss
+
+    def spans(self, size: int) -> list[list[Tensor]]:
+        """The parameters as runs of at most ``size`` consecutive tensors of one group, device and dtype: what
+        ``step_span`` steps together (``tensorwise`` optimizers only)."""
+        self._check_tensorwise("spans")
+        if size != self._max_tensors:
+            self._build_blocks(size)
+        return [list(block.params) for block in self._blocks]
+
+    @torch.no_grad()
+    def step_span(self, params: Sequence[Tensor], apply: Tensor | None = None,
+                  grad_scale: Tensor | None = None) -> None:
+        """Step those of ``params`` (tensors of one run of ``spans``) that have a gradient. ``apply``: None, a 0-d
+        bool device tensor or one per entry of ``params``; where False the tensor's weights and its state on the
+        device keep their values. ``grad_scale``: one factor per entry of ``params`` (gradient clipping), multiplied
+        into the fp32 copy of the gradient; a non-finite factor counts as 1."""
+        self._check_tensorwise("step_span")
+        block = self._block_of.get(params[0]) if params else None
+        if block is None or any(self._block_of.get(param) is not block for param in params):
+            raise ValueError("StochasticRoundingWrapper.step_span: the tensors must be one run of spans()")
+        active = [block.index[param] for param in params if param.grad is not None]
+        if not active:
+            return
+        positions = to_device([block.index[param] for param in params], torch.int64, params[0].device)
+        if apply is not None:
+            apply = apply.expand(len(params)) if apply.dim() == 0 else apply
+            apply = torch.zeros(len(block.params), dtype=torch.bool, device=apply.device).index_copy_(
+                0, positions, apply)
+        if grad_scale is not None:
+            grad_scale = torch.ones(len(block.params), dtype=torch.float32, device=grad_scale.device).index_copy_(
+                0, positions, torch.nan_to_num(grad_scale.float(), nan=1.0, posinf=1.0, neginf=1.0))
+        self._step_blocks([(block, active)], apply, grad_scale)
+
+    def _check_tensorwise(self, name: str) -> None:
+        if not self.tensorwise:
+            raise ValueError(f"StochasticRoundingWrapper.{name}: {type(self.inner).__name__} computes its step from "
+                             "all tensors together and cannot step a part of them")
+
+    def _step_blocks(self, work: list[tuple[_Block, list[int]]], apply: Tensor | None = None,
+                     grad_scale: Tensor | None = None) -> None:
+        """Widen the ``active`` tensors of each block, step them in one call of the wrapped optimizer, write back,
+        release the blocks. ``apply`` and ``grad_scale``: one value per tensor of a single block."""
+        for block, active in work:
+            self._widen(block, active)
+        before = None
+        if apply is not None:
+            block, active = work[0]
+            before = (block.values.clone(), self._device_state(block, active))
+        if grad_scale is not None:
+            work[0][0].grads.mul_(work[0][0].spread(grad_scale))
         self._push_hyperparameters()
         self.inner.step()
         self._pull_hyperparameters()
-        for shadows, stepped in zip(self._shadows, active, strict=True):
-            shadows.write_back(stepped, self.sr_step)
-        return loss
+        for block, active in work:
+            if before is not None:
+                self._restore_state(block, active, before[1], apply)
+            self._write_back(block, active, apply, None if before is None else before[0])
+            for position in active:
+                self._sr_steps[block.params[position]] += 1
+                block.shadows[position].grad = None
+            block.release()
+
+    def _widen(self, block: _Block, active: list[int]) -> None:
+        block.allocate()
+        torch._foreach_copy_([block.views[i] for i in active], [block.params[i] for i in active])
+        torch._foreach_copy_([block.grad_views[i] for i in active], [block.params[i].grad for i in active])
+        for i in active:
+            block.shadows[i].grad = block.grad_views[i]
+
+    def _write_back(self, block: _Block, active: list[int], apply: Tensor | None, before: Tensor | None) -> None:
+        """Round the block (SR for bf16 when on), keep the old weights where ``apply`` is False, copy back."""
+        if block.params[0].dtype == torch.bfloat16 and self.stochastic_rounding:
+            self._round(block)
+        if apply is not None:
+            block.values.copy_(torch.where(block.spread(apply), block.values, before))
+        torch._foreach_copy_([block.params[i] for i in active], [block.views[i] for i in active])
+
+    def _round(self, block: _Block) -> None:
+        seeds = [bits_seed(tensor_seed(self.seed, self._position[param]), self._sr_steps[param] + 1)
+                 for param in block.params]
+        device, total = block.values.device, block.values.numel()
+        table = to_device(seeds + block.starts, torch.int32, device).view(2, -1)
+        local_index = torch.arange(total, dtype=torch.int32, device=device) - block.spread(table[1])
+        seed_of = block.spread(table[0])
+        if self._bf16_numel[device] >= AUTO_NUMEL and not self.compile_failed:
+            try:
+                compiled_kernel(round_shadows_, device)(block.values, local_index, seed_of)
+                return
+            except Exception as error:
+                warnings.warn(f"stochastic rounding wrapper: torch.compile failed ({type(error).__name__}: {error}); "
+                              "rounding eagerly from now on (same bits, slower)", stacklevel=4)
+                self.compile_failed = True
+        round_shadows_(block.values, local_index, seed_of)
+
+    def _device_state(self, block: _Block, active: list[int]) -> dict[tuple[int, str], Tensor]:
+        """Copies of the wrapped optimizer's state tensors of the ``active`` tensors on their device, keyed
+        (position, name)."""
+        entries = {(i, key): value for i in active for key, value in self.inner.state.get(block.shadows[i], {}).items()
+                   if isinstance(value, Tensor) and value.device == block.params[i].device}
+        if not entries:
+            return {}
+        flat = torch.cat([value.reshape(-1) for value in entries.values()])
+        return dict(zip(entries, flat.split([value.numel() for value in entries.values()]), strict=True))
+
+    def _restore_state(self, block: _Block, active: list[int], saved: dict[tuple[int, str], Tensor],
+                       apply: Tensor) -> None:
+        """Put back the saved state values of the tensors whose ``apply`` is False (one ``where`` for them all)."""
+        keys = [key for key in saved if key[1] in self.inner.state.get(block.shadows[key[0]], {})]
+        if not keys:
+            return
+        current = [self.inner.state[block.shadows[position]][name] for position, name in keys]
+        sizes = [value.numel() for value in current]
+        table = to_device([position for position, _ in keys] + sizes, torch.int64, apply.device).view(2, -1)
+        mask = torch.repeat_interleave(apply.index_select(0, table[0]), table[1], output_size=sum(sizes))
+        new = torch.cat([value.reshape(-1) for value in current])
+        merged = torch.where(mask, new, torch.cat([saved[key] for key in keys]))
+        torch._foreach_copy_(current, [piece.view_as(value) for piece, value in
+                                       zip(merged.split(sizes), current, strict=True)])
+
+    def host_state(self, param: Tensor) -> dict[str, Any]:
+        """What a masked ``step_span`` cannot put back on the device: the rounding step count and the wrapped
+        optimizer's state of ``param`` that lives on the host (None when it has none yet)."""
+        state = self.inner.state.get(self._shadow[param])
+        kept = None if not state else {
+            key: value.clone() if isinstance(value, Tensor) else value for key, value in state.items()
+            if not isinstance(value, Tensor) or value.device != param.device}
+        return {"sr_step": self._sr_steps[param], "inner": kept}
+
+    def restore_host_state(self, param: Tensor, saved: dict[str, Any]) -> None:
+        """``host_state`` as it was before a step whose ``apply`` turned out False."""
+        self._sr_steps[param] = saved["sr_step"]
+        shadow = self._shadow[param]
+        if saved["inner"] is None:
+            self.inner.state.pop(shadow, None)
+        else:
+            self.inner.state[shadow].update(saved["inner"])
 
     def state_dict(self) -> dict[str, Any]:
         self._push_hyperparameters()
         state = self.inner.state_dict()
-        state[SR_KEY] = {"seed": self.seed, "step": self.sr_step}
+        state[SR_KEY] = {"seed": self.seed, "steps": [self._sr_steps[param] for param in self._position]}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -186,6 +348,6 @@ class StochasticRoundingWrapper(Optimizer):
         prefer_foreach(self.inner)
         self._pull_hyperparameters()
         if rounding is not None:
-            self.seed, self.sr_step = int(rounding["seed"]), int(rounding["step"])
-            for position, shadows in enumerate(self._shadows):
-                shadows.seed = tensor_seed(self.seed, position)
+            self.seed = int(rounding["seed"])
+            steps = rounding.get("steps", [int(rounding.get("step", 0))] * len(self._position))
+            self._sr_steps = {param: int(step) for param, step in zip(self._position, steps, strict=True)}

@@ -21,3 +21,31 @@ class OptimizerConfig:
         "encoders at one rate each")
     max_grad_norm: float = flag(1.0, "gradient clipping norm; 0 disables clipping")
     fused_backward_pass: bool = flag(False, "step each parameter inside backward and free its gradient")
+
+
+@dataclass
+class FusedOptimizerGroups:
+    """``--fused_optimizer_groups`` of the full fine-tuning scripts that have it (``sdxl_train.py``): a mixin of
+    their sections."""
+
+    fused_optimizer_groups: int | None = flag(
+        None, "step the weights inside backward in N groups of consecutive tensors (a new group where the learning "
+        "rate changes), each as soon as its gradients are complete, freeing them (0: off); an optimizer that steps "
+        "each tensor on its own (AdamW, Adafactor, Lion, SGD, StochasticAdamW, ...)")
+
+
+@dataclass(frozen=True)
+class FusedBackward:
+    """How a run steps its weights inside backward: the flag that asked for it, and the number of groups of tensors
+    (``--fused_optimizer_groups``; None: ``--fused_backward_pass``'s spans of a fixed number of tensors)."""
+
+    flag: str
+    groups: int | None = None
+
+
+def fused_backward(optimizer: OptimizerConfig, family_config: object = None) -> FusedBackward | None:
+    """The run's fused backward pass, None without one: ``--fused_optimizer_groups N`` (N > 0; sd-scripts takes 0
+    as off) or ``--fused_backward_pass`` (the script's checks refuse both together)."""
+    if isinstance(family_config, FusedOptimizerGroups) and family_config.fused_optimizer_groups:
+        return FusedBackward("--fused_optimizer_groups", family_config.fused_optimizer_groups)
+    return FusedBackward("--fused_backward_pass") if optimizer.fused_backward_pass else None

@@ -233,12 +233,12 @@ def _check_before_loading(cfg: TrainConfig, processes: process_group.Processes
                           ) -> tuple[SamplePlan | None, optimizer_setup.OptimizerChoice, str | None]:
     """The checks of the flags and files that need neither data nor model: processes, sample prompts, optimizer,
     ``--dynamo_backend`` and the thumbnail; returns the sample plan, the optimizer choice and the thumbnail."""
-    process_group.check_supported(processes.info, fused_backward_pass=cfg.optimizer.fused_backward_pass)
+    choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule, cfg.family_config)
+    process_group.check_supported(processes.info, fused_backward=choice.fused.flag if choice.fused else None)
     for line in process_group.describe_options(cfg.distributed, processes.info):
         log.info(line)
     samples = plan_samples(cfg.sample, warn_ignored=not cfg.family.sample_guidance)
     check_sample_folder(samples, cfg.save.output_dir)
-    choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule)
     check_dynamo_backend(cfg.precision)  # --torch_compile with a backend this torch lacks
     return samples, choice, thumbnail_data_url(cfg.save.metadata_thumbnail)
 
@@ -348,7 +348,7 @@ def _optimization(cfg: TrainConfig, ready: Prepared, models: Models, processes: 
         accumulation_steps=ready.plan.gradient_accumulation_steps, max_grad_norm=cfg.optimizer.max_grad_norm,
         max_nan_steps=cfg.precision.max_nan_steps, loss_scale=loss_scale,
         max_norm=(network, cfg.network.scale_weight_norms) if cfg.network.scale_weight_norms else None,
-        norm_update=getattr(network, "norm_update", None), fused=cfg.optimizer.fused_backward_pass,
+        norm_update=getattr(network, "norm_update", None), fused=choice.fused,
         reduce=reducer.reduce, scheduler_ticks=ready.plan.num_processes, readout=Readout(), updates=ready.start.step)
     return Optimization(optimizer=optimizer, scheduler=scheduler, updater=updater, accumulation=accumulation,
                         lr_values=optimizer_setup.lr_reporter(optimizer, descriptions, choice),

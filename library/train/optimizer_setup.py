@@ -17,6 +17,7 @@ import torch
 import optimizers
 from library.base.errors import UserError, did_you_mean
 from library.config import OptimizerConfig, ScheduleConfig
+from library.config.optimizer import FusedBackward, fused_backward
 from library.families.precision import PrecisionPolicy, dtype_name
 from library.train.effective_lr import effective_lrs
 from library.train.lr_schedule import (
@@ -43,6 +44,7 @@ class OptimizerChoice:
     name: str
     spec: optimizers.OptimizerSpec | None
     options: dict[str, Any]
+    fused: FusedBackward | None = None  # stepped inside backward (--fused_backward_pass / --fused_optimizer_groups)
 
     @property
     def adafactor_schedule(self) -> bool:
@@ -69,24 +71,24 @@ class ScheduleChoice:
     schedule_free: bool = False
 
 
-def check_optimizer(cfg: OptimizerConfig, schedule: ScheduleConfig) -> OptimizerChoice:
+def check_optimizer(cfg: OptimizerConfig, schedule: ScheduleConfig, family_config: object = None) -> OptimizerChoice:
     """Resolve the optimizer name and options, and check the LR schedule's flags, before anything loads; every
-    mistake is a ``UserError``."""
+    mistake is a ``UserError``. ``family_config``: the script's own section (``--fused_optimizer_groups``)."""
     try:
         options = optimizers.parse_optimizer_args(cfg.optimizer_args)
         spec = optimizers.find_spec(cfg.optimizer_type)
         optimizers.validate_options(cfg.optimizer_type, options)
     except optimizers.OptimizerConfigError as exc:
         raise UserError(f"--optimizer_type {cfg.optimizer_type or 'AdamW'}: {exc}") from exc
-    choice = OptimizerChoice(cfg.optimizer_type or "AdamW", spec, options)
+    choice = OptimizerChoice(cfg.optimizer_type or "AdamW", spec, options, fused_backward(cfg, family_config))
     if choice.adafactor_schedule and schedule.lr_scheduler not in ("constant", "adafactor") \
             and not schedule.lr_scheduler.startswith("adafactor:"):
         log.warning("Adafactor with relative_step=True sets its own step size: --lr_scheduler %s is replaced by "
                     "the adafactor schedule (as sd-scripts does); pass relative_step=False scale_parameter=False "
                     "to use a normal schedule", schedule.lr_scheduler)
-    if cfg.fused_backward_pass and (spec is None or not spec.fused_backward):
-        raise UserError(f"--fused_backward_pass needs an optimizer that can step one parameter at a time; "
-                        f"{choice.name} cannot. Use one of: {', '.join(_fused_backward_names())}")
+    if choice.fused is not None and (spec is None or not spec.fused_backward):
+        raise UserError(f"{choice.fused.flag} needs an optimizer that steps each tensor on its own; {choice.name} "
+                        f"cannot. Use one of: {', '.join(_fused_backward_names())}")
     _resolve_schedule(schedule, choice, cfg.learning_rate, None)
     return choice
 
@@ -199,7 +201,8 @@ def _fused_backward_names() -> list[str]:
 
 def build_optimizer(choice: OptimizerChoice, groups: list[dict], lr: float):
     try:
-        return optimizers.build_optimizer(choice.name, groups, lr, **choice.options)
+        return optimizers.build_optimizer(choice.name, groups, lr, in_spans=choice.fused is not None,
+                                          **choice.options)
     except optimizers.OptimizerConfigError as exc:
         raise UserError(f"--optimizer_type {choice.name}: {exc}") from exc
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from library.config.fields import flag
+from library.config.optimizer import FusedOptimizerGroups
 from library.families.checkpoint_flags import CheckpointSaving
 from library.families.text_output_caching import TextOutputCaching
 
@@ -61,7 +62,7 @@ BLOCK_LR_COUNT = 23  # sdxl_train.py: time/label embedding, 9 input blocks, 3 mi
 
 
 @dataclass
-class SDXLFineTuneConfig(SDXLConfig, CheckpointSaving):
+class SDXLFineTuneConfig(SDXLConfig, CheckpointSaving, FusedOptimizerGroups):
     """sdxl_train.py only: caching, what is trained at which learning rate, and how the model is saved."""
 
     cache_text_encoder_outputs: bool = flag(
@@ -78,8 +79,6 @@ class SDXLFineTuneConfig(SDXLConfig, CheckpointSaving):
     block_lr: str | None = flag(None, f"learning rates of the U-Net's {BLOCK_LR_COUNT} blocks, comma-separated: "
                                 "time/size embeddings, 9 input blocks, 3 middle, 9 output blocks, output layer (0: "
                                 "that block stays frozen)")
-    fused_optimizer_groups: int | None = flag(None, "number of optimizers stepped during the backward pass (not "
-                                              "available in this trainer yet; use --fused_backward_pass)")
 
 
 def parse_block_lr(text: str) -> list[float]:
@@ -107,17 +106,21 @@ def parse_block_lr(text: str) -> list[float]:
 def sdxl_fine_tune_problems(cfg: TrainConfig) -> list[str]:
     """What ``sdxl_train.py`` refuses: cached text encoder outputs with trained text encoders (upstream asserts
     the same), a ``--block_lr`` that is not 23 learning rates (upstream asserts the count) or that trains nothing,
-    and the flags this trainer does not implement yet."""
+    a negative ``--fused_optimizer_groups``, and it with ``--fused_backward_pass`` (upstream silently prefers the
+    latter)."""
     section, problems = cfg.family_config, []
     if section.caches_text_encoder_outputs and section.train_text_encoder:
         problems.append(f"{section.caching_flag}: trained text encoders cannot train from cached outputs; drop "
                         "--train_text_encoder or the caching flag (as sd-scripts requires)")
     if section.block_lr:
         problems.extend(_block_lr_problems(section))
-    if section.fused_optimizer_groups is not None:
-        problems.append("--fused_optimizer_groups: not available in this trainer yet; use --fused_backward_pass, "
-                        "which steps the weights during the backward pass 32 tensors at a time (with "
-                        "StochasticAdamW, Compass or SPARKLES)")
+    groups = section.fused_optimizer_groups
+    if groups is not None and groups < 0:
+        problems.append(f"--fused_optimizer_groups {groups}: give a number of groups > 0 (0 or none: off)")
+    if groups and cfg.optimizer.fused_backward_pass:
+        problems.append("--fused_optimizer_groups with --fused_backward_pass: both step the weights inside "
+                        "backward; give one (--fused_backward_pass: 32 tensors at a time; --fused_optimizer_groups "
+                        "N: N groups)")
     return problems
 
 

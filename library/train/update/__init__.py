@@ -30,10 +30,12 @@ mode clips each tensor on its own, as sd-scripts' fused Adafactor does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
+from library.config.optimizer import FusedBackward
 from library.train.accumulation import Accumulation
 from library.train.loss_scale import DynamicLossScale
 from library.train.readout import Readout
@@ -50,7 +52,8 @@ def make_updater(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimi
                  scheduler: torch.optim.lr_scheduler.LRScheduler, accumulation: Accumulation,
                  accumulation_steps: int, max_grad_norm: float, max_nan_steps: int, *,
                  loss_scale: DynamicLossScale | None = None, max_norm: tuple[object, float] | None = None,
-                 norm_update: Callable[[torch.Tensor | None], torch.Tensor] | None = None, fused: bool = False,
+                 norm_update: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
+                 fused: FusedBackward | None = None,
                  reduce: Callable[[torch.Tensor | None], torch.Tensor | None] = unreduced,
                  scheduler_ticks: int = 1, readout: Readout | None = None, updates: int = 0) -> Updater:
     """The updater of the run's mode: fused under ``--fused_backward_pass``, deferred where the optimizer decides on
@@ -59,14 +62,15 @@ def make_updater(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimi
     ``max_norm``: (network, --scale_weight_norms); ``norm_update``: the network's norm update before each step
     (LoRA-GGPO's; the config refuses it with ``--fused_backward_pass``, which frees the gradients inside backward);
     ``reduce``: the processes' gradient reduction (``GradientReducer.reduce``); ``scheduler_ticks``: LR schedule
-    ticks per update, one per process; ``updates``: the global step the run starts at (a resumed run's)."""
-    if fused:
-        mode: type[Updater] = FusedUpdater
-    elif DeferredUpdater.fits(optimizer, loss_scale, max_norm):
-        mode = DeferredUpdater
-    else:
-        mode = ImmediateUpdater
-    return mode(params, optimizer, scheduler, accumulation, accumulation_steps, max_grad_norm, max_nan_steps,
-                loss_scale=loss_scale, max_norm=max_norm, norm_update=norm_update, reduce=reduce,
-                scheduler_ticks=scheduler_ticks, readout=readout if readout is not None else Readout(),
-                updates=updates)
+    ticks per update, one per process; ``updates``: the global step the run starts at (a resumed run's); ``fused``:
+    the fused backward pass, whose spans are ``FUSED_SPAN`` tensors, or ceil(tensors / N) for
+    ``--fused_optimizer_groups N``."""
+    common = dict(loss_scale=loss_scale, max_norm=max_norm, norm_update=norm_update, reduce=reduce,
+                  scheduler_ticks=scheduler_ticks, readout=readout if readout is not None else Readout(),
+                  updates=updates)
+    args = (params, optimizer, scheduler, accumulation, accumulation_steps, max_grad_norm, max_nan_steps)
+    if fused is not None:
+        span = FUSED_SPAN if fused.groups is None else math.ceil(len(params) / fused.groups)
+        return FusedUpdater(*args, **common, span=span)
+    mode = DeferredUpdater if DeferredUpdater.fits(optimizer, loss_scale, max_norm) else ImmediateUpdater
+    return mode(*args, **common)

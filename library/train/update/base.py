@@ -206,15 +206,11 @@ class Updater(ABC):
         stats = self.norm_update(apply)
         self.readout.defer(stats, lambda numbers: self.norm_log.append((update, numbers)))
 
-    def _host_state(self, param: torch.nn.Parameter) -> dict[str, Any] | None:
-        """The optimizer's host-side state of ``param`` (its step counter...), None when it has none yet."""
-        state = self.optimizer.state.get(param)
-        return {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)} if state else None
+    def _host_state(self, param: torch.nn.Parameter) -> Any:
+        """The optimizer's host-side state of ``param`` (its step counter...), as the optimizer keeps it."""
+        return self.optimizer.host_state(param)
 
-    def _put_back(self, params: list[torch.nn.Parameter], host_states: list[dict[str, Any] | None]) -> None:
+    def _put_back(self, params: list[torch.nn.Parameter], host_states: list[Any]) -> None:
         """The host-side optimizer state of ``params`` as it was before a step that the device masked."""
         for param, host_state in zip(params, host_states, strict=True):
-            if host_state is None:
-                self.optimizer.state.pop(param, None)
-            else:
-                self.optimizer.state[param].update(host_state)
+            self.optimizer.restore_host_state(param, host_state)

@@ -11,7 +11,10 @@ a second copy. A window the epoch cuts short (fewer than N micro-batches: the lo
 armed: ``update()`` restores its sums and steps every span there. The counting is the loop's
 (``library/train/loop.py``): a window ends after N backwards or at ``update()``, whichever comes first.
 
-A span is a run of ``FUSED_SPAN`` consecutive tensors of the optimizer's flat layout (``SROptimizer.spans``). The
+A span is a run of at most ``span`` consecutive tensors of one parameter group, device and dtype (the optimizer's
+``spans``): ``FUSED_SPAN`` under ``--fused_backward_pass``; under ``--fused_optimizer_groups N`` sd-scripts' groups,
+ceil(tensors / N) tensors each and a new one where the parameter group (the learning rate) changes
+(``sdxl_train.py`` builds one optimizer per such group and steps it when its last gradient arrives). The
 post-accumulate-grad hooks only note arrivals on the host; when the last gradient that this backward will compute for
 a span arrives (the autograd engine says which tensors it will reach: module dropout and unused text encoder layers
 leave some out), the span is clipped per tensor (one ``_foreach_norm``, as sd-scripts' fused Adafactor clips each
@@ -57,6 +60,7 @@ class _FusedStep:
 class FusedUpdater(Updater):
     """Steps the spans inside backward; ``update`` steps what remains, then reads and decides."""
 
+    span: int = FUSED_SPAN  # tensors per span
     _fused_steps: list[_FusedStep] = field(default_factory=list, init=False)
     _fused_sq_norm: torch.Tensor | None = field(default=None, init=False)
     _spans: list[list[torch.nn.Parameter]] = field(default_factory=list, init=False)
@@ -77,7 +81,7 @@ class FusedUpdater(Updater):
             self._armed = False
 
     def __post_init__(self) -> None:
-        self._spans = self.optimizer.spans(FUSED_SPAN)
+        self._spans = self.optimizer.spans(self.span)
         with torch.enable_grad():
             self._accumulators = [[p.view_as(p).grad_fn.next_functions[0][0] for p in span] for span in self._spans]
         for index, span in enumerate(self._spans):

@@ -246,7 +246,9 @@ def _problems(script: str, argv: list[str], tmp_path: Path) -> list[str]:
 REFUSALS = [
     ("sdxl_train.py", ["--block_lr", ",".join(["1e-5"] * 22)], "--block_lr: 22 values given; SDXL's U-Net has 23 "
      "blocks"),
-    ("sdxl_train.py", ["--fused_optimizer_groups", "4"], "--fused_optimizer_groups: not available"),
+    ("sdxl_train.py", ["--fused_optimizer_groups", "-2"], "--fused_optimizer_groups -2: give a number of groups > 0"),
+    ("sdxl_train.py", ["--fused_optimizer_groups", "4", "--fused_backward_pass"],
+     "--fused_optimizer_groups with --fused_backward_pass: both step the weights inside backward"),
     *[(script, ["--fp8_base", "--mixed_precision", "bf16"], "--fp8_base stores frozen weights in fp8, but full "
        "fine-tuning trains the denoiser's weights; use --full_bf16") for script in NAMES],
 ]

@@ -103,11 +103,11 @@ def test_step_parameter_from_a_hook_equals_step(name: str) -> None:
     assert FUSED, "no entry claims per-parameter stepping"
     stepped = make_params(torch.bfloat16)
     hooked = make_params(torch.bfloat16)
-    optimizer = build_optimizer(name, stepped, 1e-2)
-    per_parameter = build_optimizer(name, hooked, 1e-2)
+    optimizer = build_optimizer(name, stepped, 1e-2, in_spans=True)
+    per_parameter = build_optimizer(name, hooked, 1e-2, in_spans=True)
 
     def hook(param: torch.Tensor) -> None:
-        per_parameter.step_parameter(param)
+        per_parameter.step_span([param])
         param.grad = None
 
     for param in hooked:

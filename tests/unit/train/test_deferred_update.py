@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from library.base.errors import TrainingDiverged
+from library.config.optimizer import FusedBackward
 from library.train.accumulation import build_accumulation
 from library.train.loss_scale import DynamicLossScale
 from library.train.update import DeferredUpdater, FusedUpdater, ImmediateUpdater, Updater, make_updater
@@ -123,8 +124,8 @@ class _MaxNorm:
     (StochasticAdamW, {"loss_scale": DynamicLossScale()}, ImmediateUpdater),  # the next backward needs the scale
     (SPARKLES, {}, ImmediateUpdater),
     (torch.optim.AdamW, {}, ImmediateUpdater),
-    (StochasticAdamW, {"fused": True}, FusedUpdater),
-    (SPARKLES, {"fused": True}, FusedUpdater),
+    (StochasticAdamW, {"fused": FusedBackward("--fused_backward_pass")}, FusedUpdater),
+    (SPARKLES, {"fused": FusedBackward("--fused_optimizer_groups", 2)}, FusedUpdater),
 ])
 def test_the_mode_follows_the_optimizer_and_the_flags(optimizer_class, options, mode):
     model = nn.Linear(4, 2).to(torch.bfloat16)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from library.config import validate
+from library.config.optimizer import FusedBackward
 from library.train.accumulation import build_accumulation
 from library.train.update import FUSED_SPAN, make_updater
 from optimizers import StochasticAdamW
@@ -48,7 +49,8 @@ def _make(model: Deep, steps: int, dtype: torch.dtype, mode: str, limit: float, 
     optimizer = StochasticAdamW(params, lr=1e-2, seed=2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     accumulation = build_accumulation(model, steps=steps, network_dtype=dtype, mode=mode, seed=5)
-    updater = make_updater(params, optimizer, scheduler, accumulation, steps, limit, 3, fused=fused)
+    updater = make_updater(params, optimizer, scheduler, accumulation, steps, limit, 3,
+                           fused=FusedBackward("--fused_backward_pass") if fused else None)
     return optimizer, accumulation, updater
 
 

@@ -7,10 +7,13 @@ import torch
 from torch import nn
 
 from library.base.errors import TrainingDiverged
+from library.config.optimizer import FusedBackward
 from library.train.accumulation import build_accumulation
 from library.train.loss_scale import DynamicLossScale
 from library.train.update import FUSED_SPAN, make_updater
 from optimizers import StochasticAdamW
+
+FUSED = FusedBackward("--fused_backward_pass")
 
 
 def _updater(model: nn.Module, steps: int, *, dtype=torch.float32, mode="stochastic", optimizer=None, **kwargs):
@@ -130,7 +133,7 @@ def test_fused_backward_matches_the_normal_step_and_frees_gradients():
     u.backward(nn.functional.mse_loss(normal(x), y))
     u.update()
     fused = _fresh_model()
-    u = _updater(fused, 1, optimizer=StochasticAdamW(fused.parameters(), lr=1e-2), fused=True)
+    u = _updater(fused, 1, optimizer=StochasticAdamW(fused.parameters(), lr=1e-2), fused=FUSED)
     u.backward(nn.functional.mse_loss(fused(x), y))
     assert all(p.grad is None for p in fused.parameters())
     assert u.update().applied
@@ -198,7 +201,7 @@ def test_fused_backward_undoes_the_step_of_a_tensor_with_a_non_finite_gradient()
     x, y = _data()
     model = _fresh_model()
     opt = StochasticAdamW(model.parameters(), lr=1e-2)
-    u = _updater(model, 1, optimizer=opt, fused=True)
+    u = _updater(model, 1, optimizer=opt, fused=FUSED)
     u.backward(nn.functional.mse_loss(model(x), y))
     assert u.update().applied
     weight, bias = model.weight.detach().clone(), model.bias.detach().clone()
@@ -218,7 +221,7 @@ def test_fused_backward_with_a_nan_loss_leaves_no_optimizer_state_behind():
     model = _fresh_model()
     before = [p.detach().clone() for p in model.parameters()]
     opt = StochasticAdamW(model.parameters(), lr=1e-2)
-    u = _updater(model, 1, optimizer=opt, fused=True)
+    u = _updater(model, 1, optimizer=opt, fused=FUSED)
     u.backward(nn.functional.mse_loss(model(x), y) * float("nan"))
     assert not u.update().applied
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
@@ -251,7 +254,7 @@ def test_fused_spans_equal_each_tensor_clipped_and_stepped_alone():
     bf16, ``step_parameter``); the layer forward never uses keeps no state."""
     fused, alone = Deep(), Deep()
     optimizer = StochasticAdamW(fused.parameters(), lr=1e-2, seed=2)
-    u = _updater(fused, 1, dtype=torch.bfloat16, optimizer=optimizer, fused=True, max_grad_norm=1e-3)
+    u = _updater(fused, 1, dtype=torch.bfloat16, optimizer=optimizer, fused=FUSED, max_grad_norm=1e-3)
     reference = StochasticAdamW(alone.parameters(), lr=1e-2, seed=2)
     for step in range(3):
         u.backward(_deep_loss(fused, step))
@@ -273,7 +276,7 @@ def test_fused_backward_steps_each_span_inside_backward_with_one_span_of_gradien
     back), never with more than ``FUSED_SPAN`` gradients alive, and backward ends with every gradient freed."""
     model = Deep()
     optimizer = StochasticAdamW(model.parameters(), lr=1e-2)
-    u = _updater(model, 1, dtype=torch.bfloat16, optimizer=optimizer, fused=True)
+    u = _updater(model, 1, dtype=torch.bfloat16, optimizer=optimizer, fused=FUSED)
     alive: list[int] = []
     step_span = optimizer.step_span
 
@@ -291,7 +294,7 @@ def test_fused_backward_steps_each_span_inside_backward_with_one_span_of_gradien
 def test_fused_backward_puts_back_the_step_counter_of_a_masked_tensor_only():
     model = Deep()
     optimizer = StochasticAdamW(model.parameters(), lr=1e-2)
-    u = _updater(model, 1, dtype=torch.bfloat16, optimizer=optimizer, fused=True)
+    u = _updater(model, 1, dtype=torch.bfloat16, optimizer=optimizer, fused=FUSED)
     u.backward(_deep_loss(model, 0))
     assert u.update().applied
     broken = model.layers[20].weight
