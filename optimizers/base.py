@@ -135,7 +135,7 @@ class SROptimizer(Optimizer):
         kept = []
         for _, layouts in self._layouts.values():
             for layout in layouts:
-                kept += [layout.p_flat, layout.g_flat, *layout.states.values(), layout.chunk_tensor,
+                kept += [*layout.states.values(), layout.chunk_tensor,
                          layout.chunk_base, layout.tensor_chunks]
         return kept
 
@@ -237,7 +237,7 @@ class SROptimizer(Optimizer):
 
     def run(self, kernel: Callable[..., Any], batch: Batch, *args: Any) -> Any:
         """Call ``kernel`` on ``batch``'s tensors, compiled or eagerly, as ``compiled`` says."""
-        numel, device = batch.layout.p_flat.numel(), batch.layout.device  # the layout's, not the span's (class doc)
+        numel, device = batch.layout.numel, batch.layout.device  # the layout's, not the span's (class doc)
         use = self.compiled is True or (self.compiled is None and not self._compile_failed and numel >= AUTO_NUMEL)
         if use:
             try:
@@ -282,12 +282,12 @@ class SROptimizer(Optimizer):
                 layout.attach(position, state)
                 self.init_state(state)
             state["step"] += 1
-        layout.gather(active)
+        layout.gather(span, active)
         batch = Batch(self, group, layout, span, set(active), apply)
         if grad_scale is not None:
             batch.g.mul_(batch.spread(grad_scale).to(layout.dtype))
         self.update(group, batch)
-        layout.scatter(active)
+        layout.scatter(span, active)
 
     def tables(self, group: dict[str, Any], layout: FlatLayout, span: Span,
                active: set[int]) -> tuple[Tensor, Tensor]:

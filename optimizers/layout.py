@@ -3,7 +3,9 @@
 Tensors are laid out back to back, each in a slot of whole ``C``-element chunks, in one flat buffer for the
 parameters, one for the gradients and one per state tensor (``ema``, ``ema_squared``, ...). Every per-parameter state
 tensor is a view into its flat buffer, so state dicts keep the per-parameter layout of Torchastic and of earlier
-versions. Per step, whatever the number of tensors:
+versions. The parameter and gradient buffers are working copies of a span (``SpanBuffers``) whose storage exists
+only while the span steps: between steps a layout holds its state alone, and the fused backward pass one span's
+copies at a time. Per step, whatever the number of tensors:
 
 * the gradients and parameters of the tensors being stepped are copied in with one ``_foreach_copy_`` each;
 * the update runs on the buffers viewed as ``[chunks, C]``: anything that is constant over a tensor (step, bias
@@ -101,6 +103,28 @@ def aligned(values: Tensor | None, positions: Sequence[int], span: Span) -> Tens
     return torch.zeros(span.t1 - span.t0, dtype=values.dtype, device=values.device).index_copy_(0, index, values)
 
 
+class SpanBuffers:
+    """The parameter and gradient buffers of one span, with cached views; their storage exists only between
+    ``allocate`` and ``release`` (``UntypedStorage.resize_``), so a layout keeps its state buffers alone between
+    steps, and the fused backward pass holds one span's copies at a time."""
+
+    def __init__(self, layout: FlatLayout, span: Span) -> None:
+        self.p = torch.empty((span.c1 - span.c0) * layout.chunk, dtype=layout.dtype, device=layout.device)
+        self.g = torch.empty_like(self.p)
+        self.p_views, self.g_views = layout._views(self.p, span.t0, span.t1), layout._views(self.g, span.t0, span.t1)
+        self._bytes = self.p.untyped_storage().nbytes()
+        self.release()
+
+    def allocate(self) -> None:
+        for buffer in (self.p, self.g):
+            buffer.untyped_storage().resize_(self._bytes)
+            buffer.zero_()
+
+    def release(self) -> None:
+        for buffer in (self.p, self.g):
+            buffer.untyped_storage().resize_(0)
+
+
 class FlatLayout:
     """Flat parameter, gradient and state buffers for ``params`` (one device, one dtype) with cached views.
 
@@ -123,15 +147,13 @@ class FlatLayout:
         self.first_chunk = [0]
         for count in self.chunk_counts:
             self.first_chunk.append(self.first_chunk[-1] + count)
-        total = self.first_chunk[-1] * self.chunk
-        self.p_flat = torch.zeros(total, dtype=self.dtype, device=self.device)
-        self.g_flat = torch.zeros_like(self.p_flat)
-        self.p_views, self.g_views = self._views(self.p_flat), self._views(self.g_flat)
-        torch._foreach_copy_(self.p_views, self.params)
+        self.numel = self.first_chunk[-1] * self.chunk
+        self._buffers: dict[tuple[int, int], SpanBuffers] = {}
+        self._gathered: tuple[Span, SpanBuffers] | None = None  # the span between gather and scatter
         self.states: dict[str, Tensor] = {}
         self.state_views: dict[str, list[Tensor]] = {}
         for name in state_names:
-            self.states[name] = torch.zeros_like(self.p_flat)
+            self.states[name] = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
             self.state_views[name] = self._views(self.states[name])
             held = [(view, state[p][name]) for view, p in zip(self.state_views[name], self.params, strict=True)
                     if name in state.get(p, {})]
@@ -145,9 +167,12 @@ class FlatLayout:
         self.tensor_chunks = torch.tensor(self.chunk_counts, dtype=torch.int64, device=self.device)
         self._rows: dict[tuple[str, int, int], Rows] = {}
 
-    def _views(self, buffer: Tensor) -> list[Tensor]:
-        return [buffer[start * self.chunk:start * self.chunk + param.numel()].view_as(param)
-                for start, param in zip(self.first_chunk, self.params, strict=False)]
+    def _views(self, buffer: Tensor, t0: int = 0, t1: int | None = None) -> list[Tensor]:
+        """Views of tensors ``t0 .. t1-1``'s slots in ``buffer``, which starts at tensor ``t0``'s first chunk."""
+        t1 = len(self.params) if t1 is None else t1
+        base = self.first_chunk[t0]
+        return [buffer[(self.first_chunk[t] - base) * self.chunk:][:self.params[t].numel()].view_as(self.params[t])
+                for t in range(t0, t1)]
 
     def attach(self, index: int, state: dict) -> None:
         """Point ``state``'s tensors at this layout's buffers (``state`` is the parameter's optimizer state)."""
@@ -157,21 +182,40 @@ class FlatLayout:
     def span(self, t0: int, t1: int) -> Span:
         return Span(t0, t1, self.first_chunk[t0], self.first_chunk[t1])
 
-    def gather(self, active: Sequence[int]) -> None:
-        """Copy the gradients and parameters of tensors ``active`` into the flat buffers (two ops)."""
-        torch._foreach_copy_([self.g_views[i] for i in active], [self.params[i].grad for i in active])
-        torch._foreach_copy_([self.p_views[i] for i in active], [self.params[i] for i in active])
+    def buffers(self, span: Span) -> SpanBuffers:
+        """The parameter and gradient buffers of ``span`` (cached per span; storage only while it steps)."""
+        key = (span.t0, span.t1)
+        if key not in self._buffers:
+            self._buffers[key] = SpanBuffers(self, span)
+        return self._buffers[key]
 
-    def scatter(self, active: Sequence[int]) -> None:
-        """Copy the updated parameters of tensors ``active`` back (one op; call under ``torch.no_grad``)."""
-        torch._foreach_copy_([self.params[i] for i in active], [self.p_views[i] for i in active])
+    def gather(self, span: Span, active: Sequence[int]) -> None:
+        """Allocate ``span``'s buffers (zeroed: the padding must be) and copy the gradients and parameters of
+        tensors ``active`` into them."""
+        buffers = self.buffers(span)
+        buffers.allocate()
+        self._gathered = (span, buffers)
+        torch._foreach_copy_([buffers.g_views[i - span.t0] for i in active], [self.params[i].grad for i in active])
+        torch._foreach_copy_([buffers.p_views[i - span.t0] for i in active], [self.params[i] for i in active])
+
+    def scatter(self, span: Span, active: Sequence[int]) -> None:
+        """Copy the updated parameters of tensors ``active`` back and release ``span``'s buffers (call under
+        ``torch.no_grad``)."""
+        buffers = self.buffers(span)
+        torch._foreach_copy_([self.params[i] for i in active], [buffers.p_views[i - span.t0] for i in active])
+        buffers.release()
+        self._gathered = None
 
     def blocks(self, span: Span) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """Parameter, gradient and state buffers of ``span`` as [chunks, C] views."""
-        def block(buffer: Tensor) -> Tensor:
-            return buffer[span.c0 * self.chunk:span.c1 * self.chunk].view(-1, self.chunk)
-
-        return block(self.p_flat), block(self.g_flat), {name: block(flat) for name, flat in self.states.items()}
+        """Parameter, gradient and state buffers of ``span`` as [chunks, C] views; the first two are those of the
+        gathered span that holds ``span`` (SPARKLES steps single tensors of it a second time)."""
+        if self._gathered is None or not self._gathered[0].c0 <= span.c0 <= span.c1 <= self._gathered[0].c1:
+            raise RuntimeError("FlatLayout.blocks: gather a span that holds it first")
+        gathered, buffers = self._gathered
+        start, end = (span.c0 - gathered.c0) * self.chunk, (span.c1 - gathered.c0) * self.chunk
+        states = {name: flat[span.c0 * self.chunk:span.c1 * self.chunk].view(-1, self.chunk)
+                  for name, flat in self.states.items()}
+        return buffers.p[start:end].view(-1, self.chunk), buffers.g[start:end].view(-1, self.chunk), states
 
     def owner(self, span: Span) -> Tensor:
         """The tensor of each chunk of ``span``, counted from the span's first tensor ([chunks] int64)."""

@@ -23,9 +23,10 @@ window's first backward is copied into the sum exactly. ``reassign_grad_buffer``
 copy); a tensor with no gradient in the whole window keeps ``grad`` None. Its whole random state is two integers
 (``state_dict``), so a run resumed between two updates rounds exactly as the uninterrupted one.
 
-Memory per trainable bf16 parameter: 4 B held for the run (the flat sum and the flat scratch, 2 B each); during a
-fold about 16 B more per element of a chunk of at most ``CHUNK`` elements (the fp32 sum, the element indices, the
-hashed bits); and a backward's gradients (2 B) live until its end, as without accumulation. ``FlatAccumulator`` is
+Memory per trainable bf16 parameter: 2 B held for the run (the flat sum); during a fold 2 B more for the flat
+scratch (whose storage exists only there) and about 16 B per element of a chunk of at most ``CHUNK`` elements (the
+fp32 sum, the element indices, the hashed bits); and a backward's gradients (2 B) live until its end, as without
+accumulation. ``FlatAccumulator`` is
 the machinery; with an fp32 sum (exact, no rounding) it holds 6 B per parameter: the fp32 sum and the scratch, into
 which the sum is cast once per window to become ``p.grad``.
 """
@@ -104,6 +105,11 @@ class _FlatSum:
         self.scratch_views = _views(self.scratch, params)
         self.starts = list(accumulate((p.numel() for p in params[:-1]), initial=0))  # each view's first element
         self.started = False  # whether ``total`` holds this window's sum
+        # a bf16 sum of bf16 gradients needs the scratch only inside ``fold``: its storage exists only there
+        self._transient = sum_dtype == params[0].dtype == torch.bfloat16
+        self._scratch_bytes = self.scratch.untyped_storage().nbytes()
+        if self._transient:
+            self.scratch.untyped_storage().resize_(0)
 
     def fold(self, positions: list[int], grads: list[Tensor], seed: int) -> None:
         """Add one backward's gradients (of the parameters at ``positions``; the others count as zero). bf16 sum: the
@@ -112,6 +118,8 @@ class _FlatSum:
         stochastic = self.total.dtype == torch.bfloat16
         direct = stochastic and not self.started
         target, views = (self.total, self.total_views) if direct else (self.scratch, self.scratch_views)
+        if target is self.scratch and self._transient:
+            self.scratch.untyped_storage().resize_(self._scratch_bytes)
         if len(positions) < len(views):
             target.zero_()
         torch._foreach_copy_([views[i] for i in positions], grads)
@@ -123,6 +131,8 @@ class _FlatSum:
             for start in range(0, self.size, CHUNK):
                 end = min(start + CHUNK, self.size)
                 _add_stochastic(self.total[start:end], self.scratch[start:end], start, seed)
+        if target is self.scratch and self._transient:
+            self.scratch.untyped_storage().resize_(0)
         self.started = True
 
     def complete(self, positions: list[int], grads: list[Tensor], seed: int) -> list[Tensor]:
