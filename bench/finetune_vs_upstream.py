@@ -4,7 +4,8 @@ resident memory of full fine-tuning (the U-Net of the random-weight SD1.5 of the
 The rows (``ROWS``): mixed bf16 with AdamW (torch's class on both sides); ``--full_bf16`` with Adafactor, upstream's
 memory recipe (upstream's ``fine_tune.py`` reads ``--full_bf16`` nowhere and trains fp32 weights under bf16
 autocast, and has no fused backward pass: its ``--fused_backward_pass`` exists in ``sdxl_train.py`` only); and ours
-alone: full bf16 with StochasticAdamW and the fused backward pass, without and with gradient accumulation. The same
+alone: full bf16 with StochasticAdamW and the fused backward pass, without and with gradient accumulation, and with
+Adafactor (the stochastic-rounding wrapper) and the fused backward pass. The same
 flags word for word on both sides otherwise: the harness's diffusers folder and 8 captioned 256 px images
 (``--in_json`` metadata written by upstream's ``merge_captions_to_metadata.py --full_path``), batch 1,
 ``--cache_latents`` (upstream 48d368fa's ``fine_tune.py`` needs it), seed 0, no data loader workers.
@@ -48,6 +49,8 @@ ROWS = {
     "full bf16, StochasticAdamW, fused backward": (FUSED, False),
     "full bf16, StochasticAdamW, fused backward, accumulation 2": ([*FUSED, "--gradient_accumulation_steps", "2"],
                                                                     False),
+    "full bf16, Adafactor, fused backward": (["--mixed_precision", "bf16", "--full_bf16", *ADAFACTOR,
+                                              "--fused_backward_pass"], False),
 }
 
 

@@ -158,8 +158,8 @@ def _optimizer(optimizer: Any, updates: int) -> list[str]:
                 if isinstance(value, float) and math.isnan(value)]
     if len(set(ids)) != len(ids):
         out.append(f"{where}.param_groups list a parameter index twice")
-    if optimizer.get("stochastic_rounding") is not None:  # optimizers/wrapper.py: its seed and step count
-        out += _counts(optimizer["stochastic_rounding"], ("seed", "step"), f"{where}.stochastic_rounding")
+    if optimizer.get("stochastic_rounding") is not None:  # optimizers/wrapper.py: its seed and step counts
+        out += _rounding(optimizer["stochastic_rounding"], len(ids), f"{where}.stochastic_rounding")
     if not isinstance(state, dict):
         return [*out, f"{where}.state is {_shown(state)}, not an object"]
     for key, entry in state.items():
@@ -168,6 +168,18 @@ def _optimizer(optimizer: Any, updates: int) -> list[str]:
             continue
         out += _step_entry(entry, f"{where}.state[{key}]", updates)
     return out
+
+
+def _rounding(record: Any, params: int, where: str) -> list[str]:
+    """The rounding wrapper's seed and its step count per parameter (``steps``; one ``step`` for all in states
+    written before it counted per parameter)."""
+    out = _counts(record, ("seed", "step"), where)
+    steps = record.get("steps") if isinstance(record, dict) else None
+    if steps is None:
+        return out
+    if not isinstance(steps, list) or len(steps) != params:
+        return [*out, f"{where}.steps is {_shown(steps)}, not a list of {params} step counts (one per parameter)"]
+    return out + [line for index, step in enumerate(steps) for line in _count(step, f"{where}.steps[{index}]")]
 
 
 def _scheduler(scheduler: Any, ticks: int) -> list[str]:

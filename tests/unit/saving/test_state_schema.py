@@ -91,3 +91,21 @@ def test_every_registered_optimizer_writes_a_state_that_passes(spec, dtype):
     assert state_problems({"current_step": 4}, objects, legacy=True) == []
     assert shape_problems(state, optimizer.param_groups) == []
     assert steps_beyond_position(state, objects["scheduler"], 4, 1) == 0
+
+
+def test_the_rounding_wrappers_step_counts_are_checked():
+    params = make_params(torch.bfloat16)
+    optimizer = build_optimizer("AdamW", params, 1e-3, stochastic_rounding=True)
+    compute_grads(params)
+    optimizer.step()
+    state = optimizer.state_dict()
+    assert state["stochastic_rounding"]["steps"] == [1] * len(params)
+    objects = {"network": {"m.lora_down.weight": torch.zeros(2, 2)}, "optimizer": state,
+               "scheduler": {"last_epoch": 1, "_step_count": 2, "base_lrs": [1e-3] * len(params)}}
+    assert state_problems({"current_step": 1}, objects, legacy=True) == []
+    state["stochastic_rounding"]["steps"] = [1] * (len(params) - 1)
+    [line] = state_problems({"current_step": 1}, objects, legacy=True)
+    assert "optimizer.stochastic_rounding.steps is [1" in line and f"not a list of {len(params)} step counts" in line
+    state["stochastic_rounding"]["steps"] = [1] * (len(params) - 1) + [-3]
+    [line] = state_problems({"current_step": 1}, objects, legacy=True)
+    assert f"optimizer.stochastic_rounding.steps[{len(params) - 1}] is -3" in line
