@@ -24,7 +24,7 @@ class Tables:
 
     floats: Tensor  # [tensors, k] float32: ``SROptimizer.scalars`` + "has a gradient"
     seeds: Tensor  # [tensors, 1] int32: ``rounding.bits_seed`` of each tensor's current step
-    owner: Tensor | None  # [chunks] int64: the tensor of each chunk; None for a one-tensor span (rows broadcast)
+    owner: Tensor | None  # [chunks] int32: the tensor of each chunk; None for a one-tensor span (rows broadcast)
     base: Tensor  # [chunks, 1] int32: index in its tensor of each chunk's first element
     column: Tensor  # [C] int32: 0 .. C-1
 

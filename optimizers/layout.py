@@ -57,7 +57,7 @@ class Rows:
     """The rows of a span: ``runs`` of (first element, rows, row length) blocks and the row of every chunk."""
 
     runs: tuple[tuple[int, int, int], ...]
-    of_chunk: Tensor  # int64 [chunks]
+    of_chunk: Tensor  # int32 [chunks]
 
     def reduce(self, x: Tensor, reduction: Callable[[Tensor], Tensor], shift: Tensor | None = None) -> Tensor:
         """``reduction(block)`` over dim 1 of each run's [rows, length] block of ``x`` ([chunks, C]) -> [rows];
@@ -160,7 +160,7 @@ class FlatLayout:
             if held:
                 torch._foreach_copy_([view for view, _ in held], [value for _, value in held])
         owner = [t for t, count in enumerate(self.chunk_counts) for _ in range(count)]
-        self.chunk_tensor = torch.tensor(owner, dtype=torch.int64, device=self.device)
+        self.chunk_tensor = torch.tensor(owner, dtype=torch.int32, device=self.device)
         base = [(c - self.first_chunk[t]) * self.chunk for c, t in enumerate(owner)]
         self.chunk_base = torch.tensor(base, dtype=torch.int32, device=self.device).unsqueeze(1)
         self.column = torch.arange(self.chunk, dtype=torch.int32, device=self.device)
@@ -218,7 +218,7 @@ class FlatLayout:
         return buffers.p[start:end].view(-1, self.chunk), buffers.g[start:end].view(-1, self.chunk), states
 
     def owner(self, span: Span) -> Tensor:
-        """The tensor of each chunk of ``span``, counted from the span's first tensor ([chunks] int64)."""
+        """The tensor of each chunk of ``span``, counted from the span's first tensor ([chunks] int32)."""
         owner = self.chunk_tensor[span.c0:span.c1]
         return owner - span.t0 if span.t0 else owner
 
@@ -236,5 +236,5 @@ class FlatLayout:
                     runs.append((start, count, length))
                 owner += [r for r in range(row, row + count) for _ in range(length // self.chunk)]
                 start, row = start + numel, row + count
-            self._rows[key] = Rows(tuple(runs), torch.tensor(owner, dtype=torch.int64, device=self.device))
+            self._rows[key] = Rows(tuple(runs), torch.tensor(owner, dtype=torch.int32, device=self.device))
         return self._rows[key]
