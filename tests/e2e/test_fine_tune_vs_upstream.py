@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -52,11 +50,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.upstream_harness import PEER, has_harness, upstream_python
+
 DATA = Path(__file__).resolve().parents[1] / "data"
 FACTS = json.loads((DATA / "upstream_finetune_steps.json").read_text())
-PEER = Path(os.environ["PEER_DIR"]) if os.environ.get("PEER_DIR") else None
-HARNESS = PEER is not None and (PEER / "model" / "sd15-random").is_dir() and \
-    (PEER / "venv" / "bin" / "python").is_file()
+HARNESS = has_harness("model/sd15-random")
 U = 2.0**-24  # fp32 unit roundoff
 LOSS_BOUND = 24 * U
 NORM_BOUND = 60 * U
@@ -74,19 +72,12 @@ def flags(in_json: Path, output_dir: Path) -> list[str]:
     return [flag.format(**{k: str(v) for k, v in places.items()}) for flag in FACTS["flags"]]
 
 
-def upstream_python(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    """A command of upstream's venv in ``$PEER_DIR/sd-scripts``."""
-    env = {**os.environ, "PYTHONPATH": f"{PEER / 'shim'}{os.pathsep}.", "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([str(PEER / "venv" / "bin" / "python"), *args], check=True, cwd=PEER / "sd-scripts",
-                          env=env, capture_output=True, text=True, **kwargs)
-
-
 def write_metadata(in_json: Path) -> None:
     """The ``--in_json`` file as the generator made it: upstream's ``merge_captions_to_metadata.py``, full paths. Its
     entries are in the folder's order; both sides register them by key length, longest first (train_util.py:2294,
     ``library/data/in_json.py``), the order their latents are cached in, one posterior draw each."""
     upstream_python("finetune/merge_captions_to_metadata.py", str(PEER / "data" / "10_sks"), str(in_json),
-                    "--caption_extension", ".txt", "--full_path")
+                    "--caption_extension", ".txt", "--full_path", check=True)
 
 
 @contextmanager
@@ -207,7 +198,7 @@ def test_upstream_loader_reads_our_checkpoint(ours):
     """Upstream's ``load_models_from_stable_diffusion_checkpoint`` (strict ``load_state_dict`` of each part: a
     missing or unexpected key raises) on our file; its weights, converted back to the file's layout with upstream's
     converters, equal every tensor of the file."""
-    out = upstream_python("-c", UPSTREAM_LOADER, str(ours["checkpoint"]))
+    out = upstream_python("-c", UPSTREAM_LOADER, str(ours["checkpoint"]), check=True)
     counts = json.loads(out.stdout.strip().splitlines()[-1])
     assert counts == {"file": len(FACTS["tensors"]), "loaded": len(FACTS["tensors"]),
                       "common": len(FACTS["tensors"]), "equal": len(FACTS["tensors"])}

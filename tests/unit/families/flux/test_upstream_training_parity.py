@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -60,14 +58,14 @@ from library.train.accumulation import build_accumulation
 from library.train.steps import StepPlan
 from library.train.update import make_updater
 from networks import lora_flux
+from tests.upstream_harness import has_harness, run_generator
 
 DATA = Path(__file__).resolve().parents[3] / "data"
 PARITY = json.loads((DATA / "upstream_flux_parity.json").read_text())
 FACTS = json.loads((DATA / "upstream_flux_train_steps.json").read_text())
 FP32_UNIT_ROUNDOFF = 2.0**-24
 STORED_BOUND = 8 * FACTS["updates"] * FP32_UNIT_ROUNDOFF
-PEER = Path(os.environ["PEER_DIR"]) if os.environ.get("PEER_DIR") else None
-HARNESS = PEER is not None and (PEER / "sd-scripts").is_dir() and (PEER / "venv" / "bin" / "python").is_file()
+HARNESS = has_harness()
 
 
 def stored(ref: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -97,12 +95,7 @@ def upstream_here(tmp_path_factory) -> dict[str, torch.Tensor] | None:
     out = tmp_path_factory.mktemp("upstream_flux_train_steps")
     for name in ("upstream_flux_parity.safetensors", "upstream_flux_parity.json"):
         shutil.copy(DATA / name, out / name)
-    env = {**os.environ, "PYTHONPATH": f"{PEER / 'shim'}:.", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([str(PEER / "venv" / "bin" / "python"), str(DATA / "upstream_flux_train_steps.py"),
-                           "--upstream_dir", str(PEER / "sd-scripts"), "--data_dir", str(out)],
-                          cwd=PEER / "sd-scripts", env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"the generator failed in PEER_DIR={PEER}:\n{done.stderr[-3000:]}"
+    run_generator(DATA / "upstream_flux_train_steps.py", out, timeout=900)
     return load_file(str(out / "upstream_flux_train_steps.safetensors"))
 
 

@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -68,6 +66,7 @@ from library.train.full_model import TrainedModel
 from library.train.steps import StepPlan
 from library.train.update import make_updater
 from networks.unet_names import unet_key_map
+from tests.upstream_harness import has_harness, run_generator
 
 DATA = Path(__file__).resolve().parents[3] / "data"
 FACTS = json.loads((DATA / "upstream_sdxl_train_steps.json").read_text())
@@ -78,8 +77,7 @@ NORM_BOUND = 2.0**-12
 WRITE_BOUND = 2 * FACTS["updates"] * U
 GRADIENT_BOUND = 2.0**-10
 ADAM_BOUND = 2.0**-6
-PEER = Path(os.environ["PEER_DIR"]) if os.environ.get("PEER_DIR") else None
-HARNESS = PEER is not None and (PEER / "sd-scripts").is_dir() and (PEER / "venv" / "bin" / "python").is_file()
+HARNESS = has_harness()
 
 
 def generator_module():
@@ -123,12 +121,7 @@ def upstream_here(tmp_path_factory) -> dict | None:
     if not HARNESS:
         return None
     out = tmp_path_factory.mktemp("upstream_sdxl_train_steps")
-    env = {**os.environ, "PYTHONPATH": f"{PEER / 'shim'}{os.pathsep}.", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([str(PEER / "venv" / "bin" / "python"), str(DATA / "upstream_sdxl_train_steps.py"),
-                           "--upstream_dir", str(PEER / "sd-scripts"), "--data_dir", str(out)],
-                          cwd=PEER / "sd-scripts", env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"the generator failed in PEER_DIR={PEER}:\n{done.stderr[-3000:]}"
+    run_generator(DATA / "upstream_sdxl_train_steps.py", out, timeout=600)
     record = json.loads((out / "upstream_sdxl_train_steps.json").read_text())
     shutil.rmtree(out)
     return record
