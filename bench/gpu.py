@@ -22,6 +22,12 @@ Without CUDA (and without ``--dry_run``) it prints why and exits 0 without writi
    2 double + 4 single blocks) at 512 px: bf16 mixed (AdamW) and full bf16 (StochasticAdamW), each plain, with
    ``--fp8_base`` and with ``--blocks_to_swap``: s/step and the loop's peak CUDA memory. Last in the order: give a
    larger ``--budget_s`` (e.g. 560 under ``timeout 590``) for it to fit after section 3.
+5. Full fine-tuning (``bench/gpu_finetune.py``): ``sdxl_train.py`` on ``builtin:sdxl-random`` at 1024 px, batch 1,
+   gradient checkpointing: mixed bf16 AdamW, upstream's ``--full_bf16 --fused_backward_pass`` Adafactor recipe, and
+   full bf16 StochasticAdamW unfused, fused and fused with accumulation 2: s/step and the loop's peak CUDA memory.
+   It needs a run of its own: ``--sections 5``.
+
+``--sections`` picks sections by number (default: all, in order).
 
 The results file is rewritten atomically after every section (and every training row), with a status line saying
 whether the run finished: a timeout or a kill at any moment leaves every finished section on disk. Every section is
@@ -51,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu_checks import kernel_checks  # noqa: E402
+from bench.gpu_finetune import fine_tuning  # noqa: E402
 from bench.gpu_flux import flux_training  # noqa: E402
 from bench.gpu_sections import Budget, SectionFailed, Sizes, compiled_kernel, optimizer_step, sizes  # noqa: E402
 from bench.gpu_training import training  # noqa: E402
@@ -72,6 +79,7 @@ SECTIONS: list[tuple[str, Section]] = [
     ("2. Optimizer step", optimizer_step),
     ("3. Training", _training),
     ("4. FLUX.1 training", flux_training),
+    ("5. Full fine-tuning, SDXL", fine_tuning),
 ]
 
 
@@ -144,6 +152,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry_run", "--dry-run", action="store_true",
                         help="tiny sizes on the CPU, to check the script")
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/gpu-<date>.md")
+    parser.add_argument("--sections", nargs="*", type=int, default=None, choices=range(len(SECTIONS)),
+                        help="the sections to run, by number (default: all)")
     return parser.parse_args(argv)
 
 
@@ -162,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{date}", "", "Command:", "", f"    {command}", "", machine(size.device), ""]
     out = args.out or RESULTS / f"gpu-{date}.md"
     report = Report(out, header, budget)
-    for title, section in SECTIONS:
-        report.run(title, section, size)
+    for number, (title, section) in enumerate(SECTIONS):
+        if args.sections is None or number in args.sections:
+            report.run(title, section, size)
     report.write(f"complete in {budget.spent() / 60:.1f} minutes; {report.failed} section(s) failed")
     print(f"wrote {out}")
     return 1 if report.failed else 0

@@ -70,14 +70,16 @@ class Sizes:
     draws: int  # stochastic roundings per value in the kernel checks
     workers: int
     flux_model: str  # the FLUX section's built-in model (bench/gpu_flux.py)
+    sdxl_model: str  # the fine-tuning section's built-in model (bench/gpu_finetune.py)
+    sdxl_resolution: int
 
 
 def sizes(dry_run: bool, steps: int) -> Sizes:
     if dry_run:
         return Sizes(torch.device("cpu"), "builtin:tiny-sd15", 64, (1, 2), 4, 8, 2, 1, 1 << 16, 0,
-                     "builtin:tiny-flux:double=2,single=4")
+                     "builtin:tiny-flux:double=2,single=4", "builtin:tiny-sdxl", 64)
     return Sizes(torch.device("cuda"), "builtin:sd15-random", 512, (1, 8), steps, None, 20, 3, 1 << 22, 2,
-                 "builtin:flux-random:double=2,single=4,t5_layers=1")
+                 "builtin:flux-random:double=2,single=4,t5_layers=1", "builtin:sdxl-random", 1024)
 
 
 def synchronize(device: torch.device) -> None:

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from bench import gpu, gpu_flux, gpu_training
+from bench import gpu, gpu_finetune, gpu_flux, gpu_training
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +20,8 @@ def test_dry_run_writes_every_section_and_prints_the_median(tmp_path, capsys, mo
     monkeypatch.setattr(gpu_training, "PRECISIONS", {"fp32": ["--mixed_precision", "no"]})
     monkeypatch.setattr(gpu_training, "OPTIMIZERS", {"SPARKLES": ["--optimizer_type", "SPARKLES"]})
     monkeypatch.setattr(gpu_flux, "PRECISIONS", {"full bf16": gpu_flux.PRECISIONS["full bf16, StochasticAdamW"]})
+    fused = "full bf16, StochasticAdamW, fused backward, accumulation 2"
+    monkeypatch.setattr(gpu_finetune, "ROWS", {fused: gpu_finetune.ROWS[fused]})
     out = tmp_path / "gpu.md"
     assert gpu.main(["--dry_run", "--out", str(out)]) == 0
     report = out.read_text()
@@ -43,6 +45,17 @@ def test_dry_run_writes_every_section_and_prints_the_median(tmp_path, capsys, mo
     assert [line.split("|")[2].strip() for line in flux] == ["none", "--fp8_base", "--blocks_to_swap 1"] * 2
     assert all(float(line.split("|")[3]) > 0 and int(line.split("|")[4]) == 3 for line in flux)
     assert "## 4. FLUX.1 training" in report and "builtin:tiny-flux:double=2,single=4 written as files" in report
+    [row] = [line for line in printed.splitlines() if line.startswith(f"| {fused} |")][:1]
+    assert float(row.split("|")[2]) > 0 and int(row.split("|")[3]) == 3  # sdxl_train.py, fused + accumulation
+    assert "builtin:tiny-sdxl, U-Net trained, 64 px" in report
+
+
+def test_sections_picks_the_sections_to_run(tmp_path):
+    out = tmp_path / "gpu.md"
+    assert gpu.main(["--dry_run", "--sections", "0", "--out", str(out)]) == 0
+    report = out.read_text()
+    assert "Status: complete" in report and report.count("Section time: ") == 1
+    assert f"## {gpu.SECTIONS[0][0]}" in report and f"## {gpu.SECTIONS[1][0]}" not in report
 
 
 def test_a_kill_during_a_section_leaves_the_finished_ones_on_disk(tmp_path):
