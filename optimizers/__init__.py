@@ -110,19 +110,22 @@ REGISTRY: dict[str, OptimizerSpec] = {
     "AdamW8bit": OptimizerSpec(
         name="AdamW8bit", aliases=("ADAMW_8BIT",), factory=ClassFactory(_BNB, "AdamW8bit", BITSANDBYTES),
         options=tables.BNB_ADAMW8, package=BITSANDBYTES, eight_bit_state=True, stochastic_rounding="none",
-        rejected=_NO_SR_8BIT, citation="bitsandbytes.optim.AdamW8bit; Dettmers et al. 2022, 8-bit Optimizers via "
+        rejected=_NO_SR_8BIT, fused_backward=True,
+        citation="bitsandbytes.optim.AdamW8bit; Dettmers et al. 2022, 8-bit Optimizers via "
         "Block-wise Quantization",
     ),
     "Adam8bit": OptimizerSpec(
         name="Adam8bit", aliases=("ADAM_8BIT",), factory=ClassFactory(_BNB, "Adam8bit", BITSANDBYTES),
         options=tables.BNB_ADAM8, package=BITSANDBYTES, eight_bit_state=True, stochastic_rounding="none",
-        rejected=_NO_SR_8BIT, citation="bitsandbytes.optim.Adam8bit; Dettmers et al. 2022",
+        rejected=_NO_SR_8BIT, fused_backward=True,
+        citation="bitsandbytes.optim.Adam8bit; Dettmers et al. 2022",
     ),
     "SGD8bit": OptimizerSpec(
         name="SGD8bit", aliases=("SGD_8BIT",),
         factory=ClassFactory(_BNB, "SGD8bit", BITSANDBYTES, preset={"momentum": 0.9}),
         options=tables.BNB_SGD8, package=BITSANDBYTES, eight_bit_state=True, stochastic_rounding="none",
         rejected=_NO_SR_8BIT,
+        fused_backward=True,
         citation="bitsandbytes.optim.SGD8bit (momentum 0.9 if not given: bitsandbytes refuses 0); Dettmers et al. "
         "2022",
     ),
@@ -130,18 +133,21 @@ REGISTRY: dict[str, OptimizerSpec] = {
         name="SGDNesterov8bit",
         factory=ClassFactory(_BNB, "SGD8bit", BITSANDBYTES, preset={"momentum": 0.9}, fixed={"nesterov": True}),
         options=tables.BNB_SGD_NESTEROV8, package=BITSANDBYTES, eight_bit_state=True, stochastic_rounding="none",
-        rejected=_NO_SR_8BIT, citation="bitsandbytes.optim.SGD8bit with nesterov=True, momentum 0.9 if not given "
+        rejected=_NO_SR_8BIT, fused_backward=True,
+        citation="bitsandbytes.optim.SGD8bit with nesterov=True, momentum 0.9 if not given "
         "(kohya-ss/sd-scripts rule)",
     ),
     "Adagrad8bit": OptimizerSpec(
         name="Adagrad8bit", aliases=("ADAGRAD_8BIT",), factory=ClassFactory(_BNB, "Adagrad8bit", BITSANDBYTES),
         options=tables.BNB_ADAGRAD8, package=BITSANDBYTES, eight_bit_state=True, stochastic_rounding="none",
-        rejected=_NO_SR_8BIT, citation="bitsandbytes.optim.Adagrad8bit; Dettmers et al. 2022",
+        rejected=_NO_SR_8BIT, fused_backward=True,
+        citation="bitsandbytes.optim.Adagrad8bit; Dettmers et al. 2022",
     ),
     "RMSprop8bit": OptimizerSpec(
         name="RMSprop8bit", aliases=("RMSPROP_8BIT",), factory=ClassFactory(_BNB, "RMSprop8bit", BITSANDBYTES),
         options=tables.BNB_RMSPROP8, package=BITSANDBYTES, eight_bit_state=True, stochastic_rounding="none",
-        rejected=_NO_SR_8BIT, citation="bitsandbytes.optim.RMSprop8bit; Dettmers et al. 2022",
+        rejected=_NO_SR_8BIT, fused_backward=True,
+        citation="bitsandbytes.optim.RMSprop8bit; Dettmers et al. 2022",
     ),
     "LAMB8bit": OptimizerSpec(
         name="LAMB8bit", aliases=("LAMB_8BIT",), factory=ClassFactory(_BNB, "LAMB8bit", BITSANDBYTES),
@@ -159,7 +165,8 @@ REGISTRY: dict[str, OptimizerSpec] = {
     "Lion8bit": OptimizerSpec(
         name="Lion8bit", aliases=("LION_8BIT",), factory=ClassFactory(_BNB, "Lion8bit", BITSANDBYTES),
         options=tables.BNB_LION8, package=BITSANDBYTES, eight_bit_state=True, stochastic_rounding="none",
-        rejected=_NO_SR_8BIT, citation="bitsandbytes.optim.Lion8bit; Chen et al. 2023, Dettmers et al. 2022",
+        rejected=_NO_SR_8BIT, fused_backward=True,
+        citation="bitsandbytes.optim.Lion8bit; Chen et al. 2023, Dettmers et al. 2022",
     ),
     "PagedAdamW8bit": OptimizerSpec(
         name="PagedAdamW8bit", factory=ClassFactory(_BNB, "PagedAdamW8bit", BITSANDBYTES),

@@ -27,9 +27,10 @@ Random bits follow the in-project optimizers (``optimizers.base``): a hash of (e
 tensor's step count, a seed from ``seed`` and the tensor's position in the optimizer), so chunks, spans and resumed
 runs draw exactly the bits of one uninterrupted step.
 
-Not sound for 8-bit or paged bitsandbytes optimizers (the registry refuses it there): paging is tied to a parameter's
-storage, and with 8-bit blockwise state the quantization error of the state dominates the rounding error of the
-weights (bitsandbytes#1165: SR with 8-bit state "did not help").
+Stochastic rounding is not offered for 8-bit or paged bitsandbytes optimizers (the registry refuses it there): with
+8-bit blockwise state the quantization error of the state dominates the rounding error of the weights
+(bitsandbytes#1165: SR with 8-bit state "did not help"). The non-paged 8-bit ones are wrapped with rounding to nearest
+when they step in spans (the fused backward pass): their state is per tensor.
 
 The wrapper is a ``torch.optim.Optimizer`` whose ``param_groups`` hold the real parameters (LR schedulers and
 gradient clipping work on it as usual); group hyper-parameters are copied into the wrapped optimizer before each step

@@ -217,3 +217,24 @@ def test_a_field_the_script_lacks_stops_with_exit_2_naming_the_fix(name, line, f
     err = capsys.readouterr().err
     assert fix in err and str(file) in err
     assert not list((tmp_path / "x" / "out").glob("*.safetensors"))
+
+
+def test_the_sdxl_tabs_fused_optimizer_groups_trains_with_the_default_adamw8bit(tmp_path, images, capsys,
+                                                                              monkeypatch):
+    """The SDXL options' "Fused optimizer groups" box (the GUI writes the number; its default optimizer is
+    AdamW8bit, which sd-scripts steps group by group): the weights are stepped inside backward in spans of
+    ceil(tensors / 4), and the run writes its checkpoint."""
+    from library.train.update import FusedUpdater
+
+    file = materialise("finetune/sdxl_caption_metadata", tmp_path / "x", images)
+    file.write_text(file.read_text(encoding="utf-8") + "fused_optimizer_groups = 4\n", encoding="utf-8")
+    cfg, _ = parse_args(["--config_file", str(file)], script="sdxl_train.py")
+    assert cfg.family_config.fused_optimizer_groups == 4 and cfg.optimizer.optimizer_type == "AdamW8bit"
+    made: list[FusedUpdater] = []
+    original = FusedUpdater.__post_init__
+    monkeypatch.setattr(FusedUpdater, "__post_init__", lambda self: (original(self), made.append(self))[0])
+    rc = train_network.main(["--config_file", str(file), *SPEED_OVERRIDES], family="sdxl", script="sdxl_train.py")
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    [updater] = made
+    assert updater.span == -(-len(updater.params) // 4) and updater.updates == 2
+    assert list((tmp_path / "x" / "out").glob("*.safetensors"))

@@ -27,6 +27,7 @@ OPTIMIZERS = {
     "Adafactor-sr": ("Adafactor", {"relative_step": False, "scale_parameter": False}),
     "Lion": ("Lion", {}),
     "SGDNesterov": ("SGDNesterov", {}),
+    "AdamW8bit": ("AdamW8bit", {}),
 }
 
 
