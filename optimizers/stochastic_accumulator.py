@@ -105,6 +105,7 @@ class _FlatSum:
         self.scratch_views = _views(self.scratch, params)
         self.starts = list(accumulate((p.numel() for p in params[:-1]), initial=0))  # each view's first element
         self.started = False  # whether ``total`` holds this window's sum
+        self.early: set[int] = set()  # positions ``fold_early`` folded in the running backward
         # a bf16 sum of bf16 gradients needs the scratch only inside ``fold``: its storage exists only there
         self._transient = sum_dtype == params[0].dtype == torch.bfloat16
         self._scratch_bytes = self.scratch.untyped_storage().nbytes()
@@ -114,7 +115,17 @@ class _FlatSum:
     def fold(self, positions: list[int], grads: list[Tensor], seed: int) -> None:
         """Add one backward's gradients (of the parameters at ``positions``; the others count as zero). bf16 sum: the
         window's first gradients are copied into ``total``, later ones added in fp32 and stochastically rounded with
-        hashed bits of (``seed``, element index). fp32 sum: added exactly."""
+        hashed bits of (``seed``, element index). fp32 sum: added exactly. After ``fold_early`` in this backward,
+        the rest is added piece by piece the same way (the same sums, bit for bit)."""
+        if self.early:
+            self.fold_early(positions, grads, seed)
+            if not self.started:
+                untouched = [view for i, view in enumerate(self.total_views) if i not in self.early]
+                if untouched:
+                    torch._foreach_zero_(untouched)
+            self.early.clear()
+            self.started = True
+            return
         stochastic = self.total.dtype == torch.bfloat16
         direct = stochastic and not self.started
         target, views = (self.total, self.total_views) if direct else (self.scratch, self.scratch_views)
@@ -134,6 +145,20 @@ class _FlatSum:
         if target is self.scratch and self._transient:
             self.scratch.untyped_storage().resize_(0)
         self.started = True
+
+    def fold_early(self, positions: list[int], grads: list[Tensor], seed: int) -> None:
+        """``fold`` for the parameters at ``positions`` only, before the backward ends (the fused backward pass, a
+        span complete in an accumulating backward): the same sums, bit for bit, since each element's rounding bits
+        depend only on its index and ``seed``. ``fold`` at the backward's end adds the rest."""
+        if positions:
+            totals = [self.total_views[i] for i in positions]
+            if not self.started:
+                torch._foreach_copy_(totals, grads)
+            elif self.total.dtype == torch.bfloat16:
+                _add_stochastic_pieces(totals, grads, [self.starts[i] for i in positions], seed)
+            else:
+                torch._foreach_add_(totals, grads)
+        self.early.update(positions)
 
     def complete(self, positions: list[int], grads: list[Tensor], seed: int) -> list[Tensor]:
         """``fold`` for the parameters at ``positions`` only, before the backward ends (the fused backward pass's
@@ -232,6 +257,7 @@ class FlatAccumulator:
         self._seen: set[int] = set()  # parameters with a gradient in this window
         self._index: dict[Tensor, int] = {}  # parameter -> its index in ``_params``
         self._completed: set[int] = set()  # parameters ``complete`` took out of this window
+        self._folded: set[int] = set()  # parameters ``fold_now`` folded in the running backward
 
     def _hooked(self, param: Tensor) -> bool:
         if self.dtypes is None:
@@ -259,6 +285,10 @@ class FlatAccumulator:
         if param.grad is None or index in self._completed:
             return
         self._pending.append(index)
+        self._queue_fold()
+
+    def _queue_fold(self) -> None:
+        """Have ``_fold`` run when the running backward finishes (once per backward)."""
         task = torch._C._current_graph_task_id()
         if task != self._queued_task:
             self._queued_task = task
@@ -268,10 +298,12 @@ class FlatAccumulator:
         """At the end of a backward: fold its gradients into the flat sums (one ``_FlatSum.fold`` per group) and drop
         ``p.grad``."""
         pending, self._pending, self._queued_task = self._pending, [], -1
-        pending = [index for index in pending if index not in self._completed]
-        if not pending:  # a nested backward (reentrant checkpointing) already folded them
+        pending = [index for index in pending if index not in self._completed and index not in self._folded]
+        early = {flat.number for flat in self._sums if flat.early}
+        self._folded.clear()
+        if not pending and not early:  # a nested backward (reentrant checkpointing) already folded them
             return
-        by_group: dict[int, tuple[list[int], list[Tensor]]] = {}
+        by_group: dict[int, tuple[list[int], list[Tensor]]] = {number: ([], []) for number in early}
         for index in pending:
             flat, position = self._slots[index]
             positions, grads = by_group.setdefault(flat.number, ([], []))
@@ -284,6 +316,32 @@ class FlatAccumulator:
             self._params[index].grad = None
         self._seen.update(pending)
         self._micro += 1
+
+    def fold_now(self, params: list[Tensor]) -> None:
+        """Under ``--fused_backward_pass`` with accumulation, inside a backward that only accumulates: fold its
+        gradients of ``params`` now, as ``_fold`` would at the backward's end (same seed and element indices, so the
+        same sums bit for bit), and drop them, so that a span's gradients are freed as soon as they are complete.
+        Parameters not hooked or without a gradient are left alone."""
+        by_group: dict[int, tuple[list[int], list[Tensor]]] = {}
+        for param in params:
+            index = self._index.get(param)
+            if index is None or param.grad is None or index in self._completed or index in self._folded:
+                continue
+            flat, position = self._slots[index]
+            positions, grads = by_group.setdefault(flat.number, ([], []))
+            positions.append(position)
+            grads.append(param.grad)
+            self._folded.add(index)
+        if by_group:
+            self._queue_fold()  # the backward's end finishes the micro-batch's sums
+        for number, (positions, grads) in by_group.items():
+            seed = step_seed(self.seed, self.windows, number, self._micro) & _INT31
+            self._sums[number].fold_early(positions, grads, seed)
+        for param in params:
+            index = self._index.get(param)
+            if index is not None and index in self._folded:
+                param.grad = None
+                self._seen.add(index)
 
     def complete(self, params: list[Tensor]) -> None:
         """Under ``--fused_backward_pass`` with accumulation (``library/train/update/fused.py``), inside the window's

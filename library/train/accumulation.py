@@ -17,7 +17,9 @@ so they dispatch a fixed number of ops per micro-batch whatever the number of Lo
 The trainer calls ``restore()`` first on every update step, before clipping reads the gradients. Under
 ``--fused_backward_pass`` (``library/train/update/fused.py``) the window's last backward calls ``complete(params)`` for
 each span it steps before that: the span's sums are folded at once, bit for bit what the backward's end would fold,
-and become their ``.grad``; ``restore()`` then restores only the others. ``plain`` needs no ``complete``: autograd's
+and become their ``.grad``; ``restore()`` then restores only the others. The window's other backwards call
+``fold(params)`` for each span as soon as its gradients are complete: folded the same way, bit for bit, and freed, so
+that those backwards too never hold the gradients of the whole network. ``plain`` needs no ``complete``: autograd's
 ``.grad`` already holds the sum when the post-accumulate-grad hooks see it.
 """
 
@@ -44,6 +46,7 @@ class Accumulation:
     state_dict: Callable[[], dict[str, Any]] = dict
     load_state_dict: Callable[[dict[str, Any]], None] = lambda state: None
     complete: Callable[[list[torch.Tensor]], None] = lambda params: None
+    fold: Callable[[list[torch.Tensor]], None] = lambda params: None
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -55,7 +58,7 @@ def _fp32_buffers(model: nn.Module) -> Accumulation:
     tensors; fp32 parameters are left to autograd, whose sum of fp32 gradients is the same."""
     accumulator = FlatAccumulator(sum_dtype=torch.float32)
     return Accumulation("fp32", lambda: accumulator.reassign_grad_buffer(model), accumulator.assign_hooks(model),
-                        complete=accumulator.complete)
+                        complete=accumulator.complete, fold=accumulator.fold_now)
 
 
 def build_accumulation(network: nn.Module, *, steps: int, network_dtype: torch.dtype, mode: str,
@@ -69,4 +72,4 @@ def build_accumulation(network: nn.Module, *, steps: int, network_dtype: torch.d
     accumulator = SeededStochasticAccumulator(seed)
     return Accumulation("stochastic", lambda: accumulator.reassign_grad_buffer(network),
                         accumulator.assign_hooks(network), accumulator.state_dict, accumulator.load_state_dict,
-                        accumulator.complete)
+                        accumulator.complete, accumulator.fold_now)

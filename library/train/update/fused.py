@@ -4,7 +4,8 @@ span at a time.
 With ``--gradient_accumulation_steps`` N > 1 (sd-scripts refuses the combination) the first N-1 backwards of a window
 only accumulate, as the unfused modes do (``library/train/accumulation.py``: autograd's sum in fp32 ``.grad`` for
 fp32 weights; for bf16 weights the seeded stochastic bf16 sum, 2 B/param, or the fp32 buffers of
-``--full_bf16_grad_accumulation fp32``); the hooks below are armed only for the N-th backward, which asks the
+``--full_bf16_grad_accumulation fp32``), each span folded into the sums and freed as soon as its gradients are
+complete (the strategy's ``fold``; bit for bit the fold at the backward's end); the N-th backward asks the
 strategy to ``complete`` each span's sums (folded at once, bit for bit what the backward's end would fold) before
 stepping it, so that backward's gradients and the window's sums of the whole network never coexist as fp32 or as
 a second copy. A window the epoch cuts short (fewer than N micro-batches: the loop updates at the epoch's end) is not
@@ -72,9 +73,12 @@ class FusedUpdater(Updater):
     _armed: bool = field(default=False, init=False)  # whether the running backward is the window's last
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``Updater.backward``, with the hooks armed only in the window's last backward (the N-th)."""
+        """``Updater.backward``: the hooks step spans in the window's last backward (the N-th, armed) and fold them
+        into the window's sums in the others."""
         self._micro += 1
         self._armed = self._micro == self.accumulation_steps
+        self._expected = None
+        self._pending.clear()
         try:
             super().backward(loss)
         finally:
@@ -90,19 +94,21 @@ class FusedUpdater(Updater):
                 p.register_post_accumulate_grad_hook(self._arrived)
 
     def _arrived(self, param: torch.nn.Parameter) -> None:
-        """Post-accumulate-grad hook: note the arrival (host only); step the span once every gradient this
-        backward computes for it is here. Which tensors backward reaches is asked of the autograd engine once per
-        update, at the first arrival; a span whose arrivals the engine did not foresee (gradients from a nested,
-        reentrant backward) waits for ``update()``. Unarmed (an accumulating backward) it does nothing."""
-        if not self._armed:
-            return
+        """Post-accumulate-grad hook: note the arrival (host only); once every gradient this backward computes for a
+        span is here, step the span (armed: the window's last backward) or fold it into the window's sums and free
+        it (an accumulating backward). Which tensors backward reaches is asked of the autograd engine once per
+        backward, at its first arrival; a span whose arrivals the engine did not foresee (gradients from a nested,
+        reentrant backward) waits for ``update()`` or for the backward's end."""
         if self._expected is None:
             self._expected = [sum(map(torch._C._will_engine_execute_node, nodes)) for nodes in self._accumulators]
         span = self._span_of[param]
         pending = self._pending.setdefault(span, [])
         pending.append(param)
         if len(pending) == self._expected[span]:
-            self._step_span(span)
+            if self._armed:
+                self._step_span(span)
+            else:
+                self.accumulation.fold(self._pending.pop(span))
 
     def _step_span(self, span: int) -> None:
         """Clip each tensor of the span's arrived gradients, step them together, mask on the device the step of a

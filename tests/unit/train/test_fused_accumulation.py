@@ -165,3 +165,24 @@ def test_the_config_accepts_fused_backward_with_accumulation():
     base = ["--pretrained_model_name_or_path", "builtin:tiny-sd15", "--output_dir", "out", "--train_data_dir", "data",
             "--optimizer_type", "StochasticAdamW", "--fused_backward_pass", "--gradient_accumulation_steps", "2"]
     validate(parse_args(base)[0])
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "fp32"])
+def test_an_accumulating_backward_frees_each_span_as_soon_as_it_is_complete(mode):
+    """The window's first backward folds each complete span into the sums and drops its gradients at once: never
+    more than a span's gradients alive (bf16 weights), and the sums are those of the unfused path
+    (``test_fused_accumulation_equals_the_unfused_path_bit_for_bit``)."""
+    model = Deep(torch.bfloat16)
+    _, accumulation, updater = _make(model, 2, torch.bfloat16, mode, 0.0, fused=True)
+    alive: list[int] = []
+    fold = accumulation.fold
+
+    def counted(params):
+        alive.append(sum(p.grad is not None for p in model.parameters()))
+        fold(params)
+
+    accumulation.fold = counted
+    updater.backward(_loss(model, 0, 0))
+    assert len(alive) == 3  # the three spans of the 40 layers, each folded inside backward
+    assert max(alive) <= FUSED_SPAN
+    assert all(p.grad is None for p in model.parameters())
