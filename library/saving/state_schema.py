@@ -302,7 +302,11 @@ def _fits(key: str, value: torch.Tensor, param: torch.Tensor) -> bool:
         return True
     if key in PARAM_SHAPED:
         return False
-    return value.numel() != param.numel() or value.ndim == 1  # another statistic, or flat (Prodigy's "s")
+    if value.numel() != param.numel() or value.ndim == 1:  # another statistic, or flat (Prodigy's "s")
+        return True
+    # a statistic over one dimension of a parameter with a dimension of size 1 (Adafactor's factored moments of a
+    # 1x1 convolution's [out, in, 1, 1] weight are [out, in, 1])
+    return any(value.shape == param.shape[:dim] + param.shape[dim + 1:] for dim in range(param.ndim))
 
 
 def steps_beyond_position(optimizer: Mapping[str, Any], scheduler: Mapping[str, Any], step: int,

@@ -4,8 +4,8 @@ Each case trains N steps with a state saved at step k (mid-epoch), then resumes 
 the two final LoRA files must be identical. The cases cover the dropouts (network/rank/module), the noise options
 (offset with random strength and adaptive scale, multires, input perturbation with random strength), the caption
 transforms (shuffle, caption and tag dropout) with flip_aug, gradient accumulation (fp32, and full bf16 with the
-stochastic-rounding accumulator), stochastic-rounding optimizers (native and the wrapper), and a resume that
-crosses an epoch boundary.
+stochastic-rounding accumulator), stochastic-rounding optimizers (native and the wrapper, also stepped inside backward
+with accumulation), and a resume that crosses an epoch boundary.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ CASES = {
                                   "StochasticAdamW"),
     "full_bf16_sr_wrapper": (*FULL_BF16, "--optimizer_type", "AdamW", "--optimizer_args", "stochastic_rounding=True",
                              "--noise_offset", "0.1"),
+    # the wrapper stepped span by span inside backward, its per-tensor rounding steps in the state
+    "full_bf16_fused_wrapper_accumulation": (*FULL_BF16, "--optimizer_type", "Adafactor", "--optimizer_args",
+                                             "relative_step=False", "scale_parameter=False", "--fused_backward_pass",
+                                             "--gradient_accumulation_steps", "2"),
 }
 
 

@@ -109,3 +109,19 @@ def test_the_rounding_wrappers_step_counts_are_checked():
     state["stochastic_rounding"]["steps"] = [1] * (len(params) - 1) + [-3]
     [line] = state_problems({"current_step": 1}, objects, legacy=True)
     assert f"optimizer.stochastic_rounding.steps[{len(params) - 1}] is -3" in line
+
+
+def test_adafactors_factored_moments_of_a_1x1_convolution_fit_their_parameter():
+    """A LoRA of a 1x1 convolution has [out, in, 1, 1] weights: Adafactor's row and column moments are [out, in, 1]
+    (as many elements as the weight), a resume must take them; a moment of another shape is still named."""
+    params = [torch.nn.Parameter(torch.randn(4, 32, 1, 1)), torch.nn.Parameter(torch.randn(32, 4, 1, 1))]
+    optimizer = build_optimizer("Adafactor", params, 1e-3, relative_step=False, scale_parameter=False)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    state = optimizer.state_dict()
+    assert state["state"][0]["exp_avg_sq_row"].shape == (4, 32, 1)
+    assert shape_problems(state, optimizer.param_groups) == []
+    state["state"][0]["exp_avg_sq_row"] = torch.zeros(4, 16, 2)
+    [line] = shape_problems(state, optimizer.param_groups)
+    assert "optimizer.state[0].exp_avg_sq_row has shape [4, 16, 2], its parameter [4, 32, 1, 1]" in line
