@@ -367,15 +367,6 @@ def start(cfg: DistributedConfig, env: dict[str, str] | None = None) -> Processe
     return processes
 
 
-def check_supported(info: ProcessInfo, *, fused_backward: str | None) -> None:
-    """What a multi-process run cannot do (``fused_backward``: the flag of a fused backward pass); ``UserError``."""
-    if info.distributed and fused_backward:
-        raise UserError(f"{fused_backward} with {info.world_size} processes: it steps each tensor inside backward, "
-                        "before the processes' gradients could be averaged, so the processes would train apart; "
-                        f"drop {fused_backward} (the gradients are then averaged once per update), or train in one "
-                        "process")
-
-
 def _log_per_rank(info: ProcessInfo) -> None:
     """Processes other than the main one log warnings and errors only, each line marked with its rank."""
     if info.is_main:

@@ -231,10 +231,9 @@ def _prepare(cfg: TrainConfig, processes: process_group.Processes) -> Prepared |
 
 def _check_before_loading(cfg: TrainConfig, processes: process_group.Processes
                           ) -> tuple[SamplePlan | None, optimizer_setup.OptimizerChoice, str | None]:
-    """The checks of the flags and files that need neither data nor model: processes, sample prompts, optimizer,
+    """The checks of the flags and files that need neither data nor model: optimizer, processes, sample prompts,
     ``--dynamo_backend`` and the thumbnail; returns the sample plan, the optimizer choice and the thumbnail."""
     choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule, cfg.family_config)
-    process_group.check_supported(processes.info, fused_backward=choice.fused.flag if choice.fused else None)
     for line in process_group.describe_options(cfg.distributed, processes.info):
         log.info(line)
     samples = plan_samples(cfg.sample, warn_ignored=not cfg.family.sample_guidance)
@@ -349,7 +348,8 @@ def _optimization(cfg: TrainConfig, ready: Prepared, models: Models, processes: 
         max_nan_steps=cfg.precision.max_nan_steps, loss_scale=loss_scale,
         max_norm=(network, cfg.network.scale_weight_norms) if cfg.network.scale_weight_norms else None,
         norm_update=getattr(network, "norm_update", None), fused=choice.fused,
-        reduce=reducer.reduce, scheduler_ticks=ready.plan.num_processes, readout=Readout(), updates=ready.start.step)
+        reduce=reducer.reduce, scheduler_ticks=ready.plan.num_processes, readout=Readout(), updates=ready.start.step,
+        reducer=reducer if processes.distributed else None)
     return Optimization(optimizer=optimizer, scheduler=scheduler, updater=updater, accumulation=accumulation,
                         lr_values=optimizer_setup.lr_reporter(optimizer, descriptions, choice),
                         noise_generator=noise_generator, host_generator=host_generator, state=state)

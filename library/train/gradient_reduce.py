@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from optimizers.rounding import copy_stochastic_, seeded_generator, step_seed
+from optimizers.layout import to_device
+from optimizers.rounding import copy_stochastic_, draw16, element_bits, round_bits, seeded_generator, step_seed
+
+_INT31 = (1 << 31) - 1
 
 
 @dataclass
@@ -102,6 +105,47 @@ class GradientReducer:
             self._assign(grads, counts)
         self.reductions += 1
         return flat[-1] == 0
+
+    def reduce_span(self, params: list[torch.nn.Parameter], loss_finite: torch.Tensor | None,
+                    span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused backward pass's reduction (``library/train/update/fused.py``): the mean of one span's gradients
+        over the processes, now, at one sync point of its own. The span's tensors (one dtype) go into a transient
+        fp32 buffer (zeros where this process has no gradient), with one element per tensor saying whether this
+        process has it and one counting non-finite losses; every tensor of the span gets the mean as ``.grad``
+        (bf16: stochastically rounded with counter-hash bits of the element, the update and ``span``, the same on
+        every process). Returns device flags: every process's loss finite, and per tensor whether some process had
+        a gradient (a tensor none had gets zeros, which the caller must not step)."""
+        sizes = [p.numel() for p in params]
+        total, count, device = sum(sizes), len(params), params[0].device
+        flat = torch.empty(total + count + 1, dtype=torch.float32, device=device)
+        views = [view.view_as(p) for view, p in zip(flat[:total].split(sizes), params, strict=True)]
+        with torch.no_grad():
+            self._pack_span(views, [p.grad for p in params], flat[total:total + count])
+            if loss_finite is None:
+                flat[-1:].zero_()
+            else:
+                flat[-1:].copy_((~loss_finite.to(device, torch.bool)).float().reshape(1))
+            self.all_reduce_sum(flat, [])
+            mean = flat[:total].div_(self.world_size)
+            if params[0].dtype == torch.bfloat16:
+                seed = to_device([step_seed(self.seed, self.reductions, span + 1) & _INT31], torch.int32, device)
+                index = torch.arange(total, dtype=torch.int32, device=device)
+                mean.copy_(round_bits(mean, draw16(element_bits(index, seed), 0)))
+            grads = mean.to(params[0].dtype)
+            for p, grad in zip(params, grads.split(sizes), strict=True):
+                p.grad = grad.view_as(p)
+        return flat[-1] == 0, flat[total:total + count] > 0
+
+    @staticmethod
+    def _pack_span(views: list[torch.Tensor], grads: list[torch.Tensor | None], present: torch.Tensor) -> None:
+        """The span's gradients into ``views`` (zeros where there is none) and 1 / 0 per tensor into ``present``."""
+        have = [i for i, grad in enumerate(grads) if grad is not None]
+        if have:
+            torch._foreach_copy_([views[i] for i in have], [grads[i] for i in have])
+        missing = [views[i] for i, grad in enumerate(grads) if grad is None]
+        if missing:
+            torch._foreach_zero_(missing)
+        present.copy_(to_device([float(grad is not None) for grad in grads], torch.float32, present.device))
 
     def _pack(self, grads: list[torch.Tensor | None]) -> None:
         """Each gradient into its slot (one ``_foreach_copy_`` per gradient dtype), zeros where there is none."""

@@ -44,6 +44,10 @@ BF16_SR = (*FULL_BF16, "--optimizer_type", "StochasticAdamW", "--gradient_accumu
 # plain SGD: AdamW's first steps turn the rounding noise of near-zero gradient elements into full-size updates
 EQUIVALENCE = ("--optimizer_type", "torch.optim.SGD", "--learning_rate", "1.0", "--max_train_steps", "3",
                "--save_every_n_steps", "1")
+# the fused backward pass clips each tensor (unfused: the whole norm), so compared without clipping; the registry's
+# SGD steps a span at a time
+FUSED_EQUIVALENCE = ("--optimizer_type", "SGD", "--learning_rate", "1.0", "--max_train_steps", "3",
+                     "--save_every_n_steps", "1", "--max_grad_norm", "0", "--fused_backward_pass")
 
 
 def two_images(root: Path) -> Path:
@@ -96,7 +100,11 @@ def plan(root: Path, two: Path) -> list[dict]:
          {"rank": 1, "calls": [1, 2, 3, 4], "what": "nan"}),
         ("user_error", train_args(out / "user_error"), {"rank": 1, "calls": [1], "what": "user_error"}),
         ("bad_input", train_args(out / "bad_input", data=root / "missing"), {}),
-        ("fused", train_args(out / "fused", "--optimizer_type", "Adafactor", "--fused_backward_pass"), {}),
+        ("fused_equivalence", train_args(out / "fused_equivalence", *FUSED_EQUIVALENCE, "--train_batch_size", "1",
+                                         data=two), {"noise_by_image": True}),
+        ("fused_bf16", train_args(out / "fused_bf16", *FULL_BF16, "--optimizer_type", "Adafactor",
+                                  "--fused_backward_pass", "--gradient_accumulation_steps", "2", "--network_dropout",
+                                  "0.2", "--max_train_steps", "2"), {}),
         ("disk_cache", train_args(out / "disk_cache", "--cache_latents_to_disk", "--max_train_steps", "2",
                                   data=cached), {}),
         ("syncs", train_args(out / "syncs", *FULL_BF16, "--optimizer_type", "StochasticAdamW", "--max_grad_norm",
@@ -124,8 +132,8 @@ def plan(root: Path, two: Path) -> list[dict]:
 # 10 s on 2 cores under load, a run of the tiny model 1-3 s, and the launch's limit grows with the runs it holds.
 LAUNCHES = {
     "all": ("equivalence", "sdxl_equivalence", "fine_tune_equivalence", "nan_skip", "nan_stop", "user_error",
-            "bad_input", "fused", "fp32", "fp32_interrupted", "fp32_resumed", "bf16", "bf16_resumed", "disk_cache",
-            "syncs", "sample_validate", "sdxl_cached"),
+            "bad_input", "fused_equivalence", "fused_bf16", "fp32", "fp32_interrupted", "fp32_resumed", "bf16",
+            "bf16_resumed", "disk_cache", "syncs", "sample_validate", "sdxl_cached"),
 }
 
 
@@ -199,7 +207,7 @@ def test_two_processes_of_one_image_equal_one_process_of_two(runs, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "bf16_resumed", "nan_skip", "equivalence", "sdxl_equivalence",
-                                  "sdxl_cached", "fine_tune_equivalence"])
+                                  "sdxl_cached", "fine_tune_equivalence", "fused_equivalence", "fused_bf16"])
 def test_every_process_ends_with_bit_identical_weights(runs, name):
     first, second = replicas(runs, name)
     assert first.keys() == second.keys()
@@ -290,7 +298,7 @@ def test_two_machines_of_two_processes_train_and_write_once(tmp_path):
 
 
 def test_input_errors_of_every_process_are_printed_once(runs):
-    for name, needle in (("bad_input", "missing"), ("fused", "--fused_backward_pass with 2 processes")):
+    for name, needle in (("bad_input", "missing"),):
         main, other = recorded(runs, name)
         assert (main["exit"], other["exit"]) == (2, 2), name
         assert main["stderr"] and all(line.startswith("error: ") for line in main["stderr"]), name
@@ -337,6 +345,17 @@ def test_fine_tune_on_two_processes_of_one_image_equals_one_process_accumulating
     last = equals_one_process_accumulating_two(runs, "fine_tune_equivalence", tmp_path, fine_tune,
                                                script="fine_tune.py")
     first = load_file(output(runs, "fine_tune_equivalence") / "lora-step00000001.safetensors")
+    assert sum(not torch.equal(first[k], last[k]) for k in first) > len(first) // 2  # updates 2 and 3 trained
+
+
+def test_fused_backward_on_two_processes_of_one_image_equals_one_process_accumulating_two(runs, tmp_path):
+    """``--fused_backward_pass`` under torchrun: each span averaged over the processes inside backward before it
+    steps equals the unfused single process summing the two images (fp32, no clipping), bit for bit."""
+    def unfused(args: list[str]) -> list[str]:
+        return [*args, "--optimizer_type", "SGD", "--max_grad_norm", "0"]
+
+    last = equals_one_process_accumulating_two(runs, "fused_equivalence", tmp_path, unfused)
+    first = load_file(output(runs, "fused_equivalence") / "lora-step00000001.safetensors")
     assert sum(not torch.equal(first[k], last[k]) for k in first) > len(first) // 2  # updates 2 and 3 trained
 
 

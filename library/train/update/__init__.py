@@ -55,7 +55,8 @@ def make_updater(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimi
                  norm_update: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
                  fused: FusedBackward | None = None,
                  reduce: Callable[[torch.Tensor | None], torch.Tensor | None] = unreduced,
-                 scheduler_ticks: int = 1, readout: Readout | None = None, updates: int = 0) -> Updater:
+                 scheduler_ticks: int = 1, readout: Readout | None = None, updates: int = 0,
+                 reducer: object = None) -> Updater:
     """The updater of the run's mode: fused under ``--fused_backward_pass``, deferred where the optimizer decides on
     the device and nothing needs the decision before the next update (``DeferredUpdater.fits``), else immediate.
 
@@ -64,13 +65,14 @@ def make_updater(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimi
     ``reduce``: the processes' gradient reduction (``GradientReducer.reduce``); ``scheduler_ticks``: LR schedule
     ticks per update, one per process; ``updates``: the global step the run starts at (a resumed run's); ``fused``:
     the fused backward pass, whose spans are ``FUSED_SPAN`` tensors, or ceil(tensors / N) for
-    ``--fused_optimizer_groups N``."""
+    ``--fused_optimizer_groups N``; ``reducer``: with it under several processes, their ``GradientReducer``, which
+    averages each span before it steps."""
     common = dict(loss_scale=loss_scale, max_norm=max_norm, norm_update=norm_update, reduce=reduce,
                   scheduler_ticks=scheduler_ticks, readout=readout if readout is not None else Readout(),
                   updates=updates)
     args = (params, optimizer, scheduler, accumulation, accumulation_steps, max_grad_norm, max_nan_steps)
     if fused is not None:
         span = FUSED_SPAN if fused.groups is None else math.ceil(len(params) / fused.groups)
-        return FusedUpdater(*args, **common, span=span)
+        return FusedUpdater(*args, **common, span=span, reducer=reducer)
     mode = DeferredUpdater if DeferredUpdater.fits(optimizer, loss_scale, max_norm) else ImmediateUpdater
     return mode(*args, **common)

@@ -18,6 +18,7 @@ import torch
 
 from library.config.optimizer import FusedBackward
 from library.train.accumulation import build_accumulation
+from library.train.gradient_reduce import GradientReducer
 from library.train.update import FUSED_SPAN, make_updater
 from optimizers import build_optimizer
 from tests.unit.train.test_fused_accumulation import Deep, _loss
@@ -96,3 +97,48 @@ def test_a_non_finite_tensor_keeps_its_weights_and_state_through_the_wrapper() -
     assert all(torch.equal(optimizer.inner.state[shadow][key], value) for key, value in state.items())
     assert optimizer.host_state(broken)["sr_step"] == 1
     assert not torch.equal(model.layers[3].weight.detach(), others)
+
+
+class _TwinReducer(GradientReducer):
+    """Two processes whose gradients are the same: the all-reduce doubles the buffer. Records each span's reduction:
+    (span, whether it ran inside backward)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(self._twice, 2, torch.device("cpu"), params, seed=9)
+        self.calls: list[tuple[int, bool]] = []
+
+    @staticmethod
+    def _twice(flat: torch.Tensor, summed: list[int]) -> list[int]:
+        flat.mul_(2)
+        return [2 * value for value in summed]
+
+    def reduce_span(self, params, loss_finite, span):
+        self.calls.append((span, torch._C._current_graph_task_id() != -1))
+        return super().reduce_span(params, loss_finite, span)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_several_processes_reduce_every_span_once_in_one_order_inside_backward(dtype: torch.dtype, steps: int):
+    """With the processes' reducer each span is averaged before it steps: every span once per update, from the last
+    down, inside the window's last backward (all three of the 40 layers' spans; the unused layer's and the first
+    micro-batch's span at ``update()``); with equal gradients on both processes the weights are the one-process
+    fused run's, bit for bit (the mean of two equal values is the value; bf16 stays bf16-exact)."""
+    model, reference = Deep(dtype), Deep(dtype)
+    fused = FusedBackward("--fused_backward_pass")
+    optimizer, updater = _make(model, dtype, "AdamW-sr", steps, fused)
+    _, ref_updater = _make(reference, dtype, "AdamW-sr", steps, fused)
+    updater.reducer = _TwinReducer(list(model.parameters()))
+    for update in range(2):
+        for micro in range(steps):
+            updater.backward(_loss(model, update, micro))
+            ref_updater.backward(_loss(reference, update, micro))
+        assert updater.update().applied and ref_updater.update().applied
+    spans = len(updater._spans)
+    calls = updater.reducer.calls
+    assert [span for span, _ in calls] == list(range(spans - 1, -1, -1)) * 2
+    inside = [span for span, during in calls[:spans] if during]
+    assert len(inside) >= 3 and inside == sorted(inside, reverse=True)
+    assert updater.reducer.reductions == 2
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.detach(), b.detach())
