@@ -46,6 +46,7 @@ EQUIVALENCE = ("--optimizer_type", "torch.optim.SGD", "--learning_rate", "1.0", 
                "--save_every_n_steps", "1")
 # the fused backward pass clips each tensor (unfused: the whole norm), so compared without clipping; the registry's
 # SGD steps a span at a time
+FUSED = ("--optimizer_type", "SGD", "--fused_backward_pass")
 FUSED_EQUIVALENCE = ("--optimizer_type", "SGD", "--learning_rate", "1.0", "--max_train_steps", "3",
                      "--save_every_n_steps", "1", "--max_grad_norm", "0", "--fused_backward_pass")
 
@@ -102,6 +103,9 @@ def plan(root: Path, two: Path) -> list[dict]:
         ("bad_input", train_args(out / "bad_input", data=root / "missing"), {}),
         ("fused_equivalence", train_args(out / "fused_equivalence", *FUSED_EQUIVALENCE, "--train_batch_size", "1",
                                          data=two), {"noise_by_image": True}),
+        ("fused_nan_skip", train_args(out / "fused_nan_skip", *FUSED), {"rank": 1, "calls": [1], "what": "nan"}),
+        ("fused_user_error", train_args(out / "fused_user_error", *FUSED),
+         {"rank": 1, "calls": [1], "what": "user_error"}),
         ("fused_bf16", train_args(out / "fused_bf16", *FULL_BF16, "--optimizer_type", "Adafactor",
                                   "--fused_backward_pass", "--gradient_accumulation_steps", "2", "--network_dropout",
                                   "0.2", "--max_train_steps", "2"), {}),
@@ -132,8 +136,9 @@ def plan(root: Path, two: Path) -> list[dict]:
 # 10 s on 2 cores under load, a run of the tiny model 1-3 s, and the launch's limit grows with the runs it holds.
 LAUNCHES = {
     "all": ("equivalence", "sdxl_equivalence", "fine_tune_equivalence", "nan_skip", "nan_stop", "user_error",
-            "bad_input", "fused_equivalence", "fused_bf16", "fp32", "fp32_interrupted", "fp32_resumed", "bf16",
-            "bf16_resumed", "disk_cache", "syncs", "sample_validate", "sdxl_cached"),
+            "bad_input", "fused_equivalence", "fused_nan_skip", "fused_user_error", "fused_bf16", "fp32",
+            "fp32_interrupted", "fp32_resumed", "bf16", "bf16_resumed", "disk_cache", "syncs", "sample_validate",
+            "sdxl_cached"),
 }
 
 
@@ -207,7 +212,8 @@ def test_two_processes_of_one_image_equal_one_process_of_two(runs, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "bf16_resumed", "nan_skip", "equivalence", "sdxl_equivalence",
-                                  "sdxl_cached", "fine_tune_equivalence", "fused_equivalence", "fused_bf16"])
+                                  "sdxl_cached", "fine_tune_equivalence", "fused_equivalence", "fused_bf16",
+                                  "fused_nan_skip"])
 def test_every_process_ends_with_bit_identical_weights(runs, name):
     first, second = replicas(runs, name)
     assert first.keys() == second.keys()
@@ -233,8 +239,10 @@ def test_sigterm_on_one_process_stops_both_with_the_checkpoint_intact(runs):
     assert sorted(p.name for p in folder.iterdir()) == ["lora-step00000002-state", "lora-step00000002.safetensors"]
 
 
-def test_a_nan_on_one_process_skips_the_update_on_both(runs):
-    for record in recorded(runs, "nan_skip"):
+@pytest.mark.parametrize("name", ["nan_skip", "fused_nan_skip"])
+def test_a_nan_on_one_process_skips_the_update_on_both(runs, name):
+    """Fused: the NaN loss of process 1 reaches process 0 in each span's averaging, which masks every step."""
+    for record in recorded(runs, name):
         assert record["exit"] == 0
         assert record["applied"] == [True, False, True]
 
@@ -248,13 +256,15 @@ def test_max_nan_steps_stops_both_with_exit_3(runs):
     assert (runs["out"] / "nan_stop" / "lora.safetensors").is_file()  # the last good weights
 
 
-def test_a_user_error_on_one_process_exits_2_everywhere_printed_once(runs):
-    main, other = recorded(runs, "user_error")
+@pytest.mark.parametrize("name", ["user_error", "fused_user_error"])
+def test_a_user_error_on_one_process_exits_2_everywhere_printed_once(runs, name):
+    """Fused: process 0 meets process 1's failure at the sync point of a span's averaging, inside backward."""
+    main, other = recorded(runs, name)
     assert (main["exit"], other["exit"]) == (2, 2)
     assert len(main["stderr"]) == 1 and main["stderr"][0].startswith("error: process 1: ")
     assert main["stderr"][0].endswith("cannot be decoded (injected)")
     assert other["stderr"] == []
-    assert not (runs["out"] / "user_error" / "lora.safetensors").exists()
+    assert not (runs["out"] / name / "lora.safetensors").exists()
 
 
 def test_only_the_main_process_writes_and_metadata_counts_its_share(runs):
