@@ -78,19 +78,23 @@ class FlatSum:
         span complete in an accumulating backward): the same sums, bit for bit, since each element's rounding bits
         depend only on its index and ``seed``. ``fold`` at the backward's end adds the rest."""
         if positions:
-            totals = [self.total_views[i] for i in positions]
-            if not self.started:
-                torch._foreach_copy_(totals, grads)
-            elif self.total.dtype == torch.bfloat16:
-                _add_stochastic_pieces(totals, grads, [self.starts[i] for i in positions], seed)
-            else:
-                torch._foreach_add_(totals, grads)
+            self._add_pieces(positions, grads, seed)
         self.early.update(positions)
 
     def complete(self, positions: list[int], grads: list[Tensor], seed: int) -> list[Tensor]:
         """``fold`` for the parameters at ``positions`` only, before the backward ends (the fused backward pass's
         last micro-batch): the same sums, bit for bit, since each element's rounding bits depend only on its index
         and ``seed``; returns their window sums as ``grads`` would (fp32 sum: cast into their ``scratch`` views)."""
+        totals = self._add_pieces(positions, grads, seed)
+        if self.total.dtype == self.scratch.dtype:
+            return totals
+        scratch = [self.scratch_views[i] for i in positions]
+        torch._foreach_copy_(scratch, totals)
+        return scratch
+
+    def _add_pieces(self, positions: list[int], grads: list[Tensor], seed: int) -> list[Tensor]:
+        """Add ``grads`` into the sums of the parameters at ``positions`` (copy them in at the window's start);
+        returns those sums."""
         totals = [self.total_views[i] for i in positions]
         if not self.started:
             torch._foreach_copy_(totals, grads)
@@ -98,11 +102,7 @@ class FlatSum:
             _add_stochastic_pieces(totals, grads, [self.starts[i] for i in positions], seed)
         else:
             torch._foreach_add_(totals, grads)
-        if self.total.dtype == self.scratch.dtype:
-            return totals
-        scratch = [self.scratch_views[i] for i in positions]
-        torch._foreach_copy_(scratch, totals)
-        return scratch
+        return totals
 
     def grads(self) -> list[Tensor]:
         """The window's sum as per-parameter views in the parameters' dtype (fp32 sum: cast once into ``scratch``)."""
