@@ -17,11 +17,12 @@ with ``foreach=True`` (torch picks it on CUDA only; on the CPU its default is a 
 ``tensorwise`` (the registry's ``fused_backward``: optimizers whose update of a tensor depends on that tensor alone,
 such as AdamW, Adafactor, Lion, SGD) steps block by block, blocks of at most ``CHUNK_NUMEL`` elements, so the fp32
 buffers of a step never exceed a block (SDXL's U-Net and text encoders: 3.5 B parameters, 26 GiB of fp32 copies
-otherwise), and gives ``spans`` / ``step_span``: the fused backward pass steps a block of at most ``size`` tensors
-inside backward, with a per-tensor ``apply`` mask (where False, the weights and the state on the parameter's device
-keep their values; host-side state is put back by the caller through ``host_state`` / ``restore_host_state``) and a
-per-tensor gradient factor (clipping). Other optimizers (D-Adaptation, Prodigy: one step size from all tensors) step
-everything in one call of the wrapped optimizer.
+otherwise), the wrapped optimizer seeing only the block's tensors, and gives ``spans`` / ``step_span``: the fused
+backward pass steps a block of at most ``size`` tensors and ``SPAN_NUMEL`` elements inside backward, with a
+per-tensor ``apply`` mask (where False, the weights and the state on the parameter's device keep their values;
+host-side state is put back by the caller through ``host_state`` / ``restore_host_state``) and a per-tensor gradient
+factor (clipping). Other optimizers (D-Adaptation, Prodigy: one step size from all tensors) step everything in one
+call of the wrapped optimizer.
 
 Random bits follow the in-project optimizers (``optimizers.base``): a hash of (element index in its tensor, the
 tensor's step count, a seed from ``seed`` and the tensor's position in the optimizer), so chunks, spans and resumed
@@ -55,7 +56,8 @@ from optimizers.rounding import bits_seed, element_bits, round_bits, tensor_seed
 from optimizers.spec import OptimizerConfigError
 
 SR_KEY = "stochastic_rounding"
-CHUNK_NUMEL = 1 << 26  # elements per run of a tensorwise step: 512 MiB of fp32 values and gradients
+CHUNK_NUMEL = 1 << 26  # elements per block of a tensorwise step: 512 MiB of fp32 values and gradients
+SPAN_NUMEL = 1 << 22  # elements per block of a span (fused backward pass): its copies and temporaries stay small
 
 
 def round_shadows_(values: Tensor, local_index: Tensor, seeds: Tensor) -> None:
@@ -86,8 +88,9 @@ class _Block:
     """Consecutive tensors of one group, device and dtype, stepped together: their shadows view the block's fp32
     value and gradient buffers, whose storage exists only while the block is stepped."""
 
-    def __init__(self, params: list[Tensor], shadows: list[Tensor]) -> None:
+    def __init__(self, params: list[Tensor], shadows: list[Tensor], group: int) -> None:
         self.params = params
+        self.group = group  # the index of the group that holds the block
         self.sizes = [param.numel() for param in params]
         self.starts = [sum(self.sizes[:index]) for index in range(len(params))]
         device = params[0].device
@@ -116,13 +119,13 @@ class _Block:
         return torch.repeat_interleave(per_tensor, self.counts, output_size=self.values.numel())
 
 
-def _cut(params: list[Tensor], max_tensors: int) -> list[list[Tensor]]:
-    """``params`` cut into runs of consecutive tensors: at most ``max_tensors`` of them and ``CHUNK_NUMEL``
-    elements (a larger tensor alone)."""
+def _cut(params: list[Tensor], max_tensors: int, max_numel: int) -> list[list[Tensor]]:
+    """``params`` cut into runs of consecutive tensors: at most ``max_tensors`` of them (0: any number) and
+    ``max_numel`` elements (a larger tensor alone)."""
     runs: list[list[Tensor]] = []
     size = 0
     for param in params:
-        if not runs or len(runs[-1]) == max_tensors or size + param.numel() > CHUNK_NUMEL:
+        if not runs or len(runs[-1]) == max_tensors or size + param.numel() > max_numel:
             runs.append([])
             size = 0
         runs[-1].append(param)
@@ -146,7 +149,7 @@ class StochasticRoundingWrapper(Optimizer):
         self._shadow: dict[Tensor, Tensor] = {}
         self._position: dict[Tensor, int] = {}
         self._sr_steps: dict[Tensor, int] = {}
-        self._buckets: list[list[Tensor]] = []  # the params of one group, device and dtype, in group order
+        self._buckets: list[tuple[int, list[Tensor]]] = []  # (group, its params of one device and dtype)
         inner_groups = []
         for group in self.param_groups:
             buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
@@ -157,25 +160,25 @@ class StochasticRoundingWrapper(Optimizer):
                 self._shadow[param] = torch.empty(0, dtype=torch.float32, device=param.device)
                 self._position[param], self._sr_steps[param] = len(self._position), 0
                 buckets.setdefault((param.device, param.dtype), []).append(param)
+            self._buckets += [(len(inner_groups), bucket) for bucket in buckets.values()]
             inner_groups.append({**group, "params": [self._shadow[param] for param in group["params"]]})
-            self._buckets += buckets.values()
         self._bf16_numel: dict[torch.device, int] = {}
         for param in self._position:
             if param.dtype == torch.bfloat16:
                 self._bf16_numel[param.device] = self._bf16_numel.get(param.device, 0) + param.numel()
         self._blocks: list[_Block] = []
         self._block_of: dict[Tensor, _Block] = {}
-        self._build_blocks(0)
+        self._build_blocks(0, CHUNK_NUMEL)
         self.inner = build_inner(inner_groups)
         prefer_foreach(self.inner)
         self._pull_hyperparameters()
 
-    def _build_blocks(self, max_tensors: int) -> None:
-        """Cut every bucket into blocks of at most ``max_tensors`` tensors (0: any number) and ``CHUNK_NUMEL``
+    def _build_blocks(self, max_tensors: int, max_numel: int) -> None:
+        """Cut every bucket into blocks of at most ``max_tensors`` tensors (0: any number) and ``max_numel``
         elements; the shadows (same objects, so the wrapped optimizer's state stays theirs) view the new blocks."""
-        self._max_tensors = max_tensors
-        self._blocks = [_Block(run, [self._shadow[param] for param in run])
-                        for bucket in self._buckets for run in _cut(bucket, max_tensors)]
+        self._cut_as = (max_tensors, max_numel)
+        self._blocks = [_Block(run, [self._shadow[param] for param in run], group)
+                        for group, bucket in self._buckets for run in _cut(bucket, max_tensors, max_numel)]
         self._block_of = {param: block for block in self._blocks for param in block.params}
 
     def _push_hyperparameters(self) -> None:
@@ -204,8 +207,8 @@ class StochasticRoundingWrapper(Optimizer):
         """The parameters as runs of at most ``size`` consecutive tensors of one group, device and dtype: what
         ``step_span`` steps together (``tensorwise`` optimizers only)."""
         self._check_tensorwise("spans")
-        if size != self._max_tensors:
-            self._build_blocks(size)
+        if self._cut_as != (size, SPAN_NUMEL):
+            self._build_blocks(size, SPAN_NUMEL)
         return [list(block.params) for block in self._blocks]
 
     @torch.no_grad()
@@ -249,9 +252,7 @@ class StochasticRoundingWrapper(Optimizer):
             before = (block.values.clone(), self._device_state(block, active))
         if grad_scale is not None:
             work[0][0].grads.mul_(work[0][0].spread(grad_scale))
-        self._push_hyperparameters()
-        self.inner.step()
-        self._pull_hyperparameters()
+        self._inner_step(work)
         for block, active in work:
             if before is not None:
                 self._restore_state(block, active, before[1], apply)
@@ -260,6 +261,26 @@ class StochasticRoundingWrapper(Optimizer):
                 self._sr_steps[block.params[position]] += 1
                 block.shadows[position].grad = None
             block.release()
+
+    def _inner_step(self, work: list[tuple[_Block, list[int]]]) -> None:
+        """The wrapped optimizer's step. A tensorwise one sees only the tensors being stepped (its loop over its
+        parameters then costs what they do, not what the whole model does, once per block)."""
+        self._push_hyperparameters()
+        if not self.tensorwise:
+            self.inner.step()
+        else:
+            kept = [group["params"] for group in self.inner.param_groups]
+            only: dict[int, list[Tensor]] = {}
+            for block, active in work:
+                only.setdefault(block.group, []).extend(block.shadows[i] for i in active)
+            try:
+                for index, group in enumerate(self.inner.param_groups):
+                    group["params"] = only.get(index, [])
+                self.inner.step()
+            finally:
+                for group, params in zip(self.inner.param_groups, kept, strict=True):
+                    group["params"] = params
+        self._pull_hyperparameters()
 
     def _widen(self, block: _Block, active: list[int]) -> None:
         block.allocate()

@@ -188,3 +188,26 @@ def test_a_state_saved_with_one_rounding_step_for_all_tensors_resumes() -> None:
     resumed = BUILDS["AdamW"](_copy(params))
     resumed.load_state_dict(state)
     assert resumed.state_dict()["stochastic_rounding"] == {"seed": 7, "steps": [5, 5, 5, 5]}
+
+
+def test_the_wrapped_optimizer_sees_only_the_block_it_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensorwise step shows the wrapped optimizer the block's tensors alone (its loop over its parameters costs
+    what the block does), then gives it back all of them; spans are also cut at ``SPAN_NUMEL`` elements."""
+    monkeypatch.setattr(wrapper_module, "SPAN_NUMEL", 100)
+    params = make_params(12, torch.bfloat16)
+    optimizer = BUILDS["AdamW"](params)
+    spans = optimizer.spans(8)
+    assert all(sum(p.numel() for p in span) <= 100 or len(span) == 1 for span in spans) and len(spans) > 2
+    seen: list[int] = []
+    step = optimizer.inner.step
+
+    def counting(*args, **kwargs):
+        seen.append(sum(len(group["params"]) for group in optimizer.inner.param_groups))
+        return step(*args, **kwargs)
+
+    optimizer.inner.step = counting
+    set_grads(params, "all", 0)
+    for span in spans:
+        optimizer.step_span(span)
+    assert seen == [len(span) for span in spans]
+    assert sum(len(group["params"]) for group in optimizer.inner.param_groups) == 12
