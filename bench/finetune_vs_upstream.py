@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import publish  # noqa: E402
 from memory_speed import machine  # noqa: E402
-from vs_upstream import _harness_defaults, cpu_bf16, git_head, run_side, upstream_versions  # noqa: E402
+from vs_upstream import _harness_defaults, cpu_bf16, git_head, run_flags, run_side, upstream_versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ADAFACTOR = ["--optimizer_type", "Adafactor", "--optimizer_args", "relative_step=False", "scale_parameter=False",
@@ -94,17 +94,11 @@ def table(runs: dict[tuple[str, str], list[dict]], warmup: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peer_dir", type=Path, default=os.environ.get("PEER_DIR"),
-                        help="the upstream harness that shared/upstream/setup.sh builds (default: $PEER_DIR)")
-    parser.add_argument("--steps", type=int, default=5, help="updates per run")
-    parser.add_argument("--warmup", type=int, default=2, help="updates not timed at the start of each run")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the table gives medians)")
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    run_flags(parser, steps=5, warmup=2, threads="2")
     for name in ("model", "tokenizer_cache_dir", "data", "upstream_dir"):
         parser.add_argument(f"--{name}", type=Path, help="default: inside --peer_dir")
     parser.add_argument("--upstream_python", help="default: PEER_DIR/venv/bin/python")
     parser.add_argument("--upstream_pythonpath", help="default: PEER_DIR/shim:.")
-    parser.add_argument("--note", default="", help="a line added under the table")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "bench" / "results" / f"finetune-vs-upstream-{time.strftime('%Y-%m-%d')}.md")
     args = parser.parse_args()

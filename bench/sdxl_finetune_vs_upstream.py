@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import publish, write_images  # noqa: E402
 from finetune_vs_upstream import step_seconds  # noqa: E402
 from memory_speed import machine  # noqa: E402
-from vs_upstream import cpu_bf16, git_head, run_side, upstream_versions  # noqa: E402
+from vs_upstream import cpu_bf16, git_head, run_flags, run_side, upstream_versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "library" / "assets" / "configs" / "sdxl"
@@ -212,17 +212,11 @@ def measure(args: argparse.Namespace, rows: list[str], common: list[str], tmp: P
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peer_dir", type=Path, default=os.environ.get("PEER_DIR"),
-                        help="the upstream harness that shared/upstream/setup.sh builds (default: $PEER_DIR)")
-    parser.add_argument("--steps", type=int, default=4, help="updates per run")
-    parser.add_argument("--warmup", type=int, default=1, help="updates not timed at the start of each run")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the table gives medians)")
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    run_flags(parser, steps=4, warmup=1, threads="1")
     parser.add_argument("--channels", type=int, default=224, help="the U-Net's first width (SDXL: 320)")
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--rows", type=int, nargs="+", default=list(range(len(ROWS))),
                         help=f"which of ROWS to run, by index (0-{len(ROWS) - 1}; 0 always runs)")
-    parser.add_argument("--note", default="", help="a line added under the table")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results"
                         / f"sdxl-finetune-vs-upstream-{time.strftime('%Y-%m-%d')}.md")
     args = parser.parse_args()

@@ -209,6 +209,18 @@ def profile_comparison(folder: Path, precision: str, rows: int = 20) -> str:
     return "\n".join(lines)
 
 
+def run_flags(parser: argparse.ArgumentParser, *, steps: int, warmup: int, threads: str) -> None:
+    """The flags of the fine-tuning side-by-side benches: the harness, updates and warm-up per run, rounds, threads
+    and a note under the table."""
+    parser.add_argument("--peer_dir", type=Path, default=os.environ.get("PEER_DIR"),
+                        help="the upstream harness that shared/upstream/setup.sh builds (default: $PEER_DIR)")
+    parser.add_argument("--steps", type=int, default=steps, help="updates per run")
+    parser.add_argument("--warmup", type=int, default=warmup, help="updates not timed at the start of each run")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the table gives medians)")
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", threads)))
+    parser.add_argument("--note", default="", help="a line added under the table")
+
+
 def _harness_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fill the upstream harness paths not given from ``--peer_dir``; say which are missing when it is not given."""
     defaults = {"model": ("model", "sd15-random"), "tokenizer_cache_dir": ("model", "tokenizer_cache"),
