@@ -26,12 +26,8 @@ the LoRA state after the last update, in fp32. The .json holds a SHA-256 of the 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import os
-import sys
-from pathlib import Path
 
 UPSTREAM_COMMIT = "48d368fa"
 UPDATES = 3
@@ -142,18 +138,12 @@ def run_case(case: dict, ref: dict, facts: dict) -> tuple[dict, dict]:
 
 
 def main() -> None:
-    peer = os.environ.get("PEER_DIR")
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--upstream_dir", default=os.path.join(peer, "sd-scripts") if peer else ".")
-    parser.add_argument("--data_dir", default=str(Path(__file__).resolve().parent))
-    cli = parser.parse_args()
-    upstream, data = Path(cli.upstream_dir).resolve(), Path(cli.data_dir).resolve()
-    sys.path.insert(0, str(upstream))
-    os.chdir(upstream)
+    from upstream_session import enter_upstream
+
+    data = enter_upstream(__doc__.split("\n")[0])
     import torch
     from safetensors.torch import load_file, save_file
 
-    torch.set_num_threads(1)
     ref = load_file(str(data / "upstream_flux_parity.safetensors"))
     facts = json.loads((data / "upstream_flux_parity.json").read_text())
     tensors, upstream_args = {}, {}

@@ -36,12 +36,8 @@ About 15 s of one CPU core and 0.7 GB of memory.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import os
-import sys
-from pathlib import Path
 
 UPSTREAM_COMMIT = "48d368fa"
 UPDATES = 2
@@ -194,18 +190,12 @@ def run_case(case: dict, inputs: dict) -> tuple[dict, dict]:
 
 
 def main() -> None:
-    peer = os.environ.get("PEER_DIR")
-    cli = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    cli.add_argument("--upstream_dir", default=os.path.join(peer, "sd-scripts") if peer else ".")
-    cli.add_argument("--data_dir", default=str(Path(__file__).resolve().parent))
-    opts = cli.parse_args()
-    upstream, data = Path(opts.upstream_dir).resolve(), Path(opts.data_dir).resolve()
-    sys.path.insert(0, str(upstream))
-    os.chdir(upstream)
+    from upstream_session import enter_upstream
+
+    data = enter_upstream(__doc__.split("\n")[0])
     import torch
     from safetensors.torch import save_file
 
-    torch.set_num_threads(1)
     inputs = {name: start_value(f"input.{name}", shape) for name, shape in TEXT_SHAPES.items()}
     inputs["latents"] = start_value("input.latents", LATENT_SHAPE)
     cases, kept = {}, {}
