@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from optimizers.layout import to_device
-from optimizers.rounding import copy_stochastic_, draw16, element_bits, round_bits, seeded_generator, step_seed
+from optimizers.rounding import copy_stochastic_, seeded_generator, step_seed
+from optimizers.wrapper import round_shadows_
 
 _INT31 = (1 << 31) - 1
 
@@ -94,12 +95,8 @@ class GradientReducer:
         grads = [p.grad for p in self.params]
         present = [int(grad is not None) for grad in grads]
         with torch.no_grad():
-            self._pack(grads)
-            flag = flat[-1:]
-            if loss_finite is None:
-                flag.zero_()
-            else:
-                flag.copy_((~loss_finite.to(flat.device, torch.bool)).float().reshape(1))
+            _pack(self._views, grads)
+            _non_finite_flag(flat[-1:], loss_finite)
             counts = self.all_reduce_sum(flat, present)
             flat[:-1].div_(self.world_size)
             self._assign(grads, counts)
@@ -120,48 +117,19 @@ class GradientReducer:
         flat = torch.empty(total + count + 1, dtype=torch.float32, device=device)
         views = [view.view_as(p) for view, p in zip(flat[:total].split(sizes), params, strict=True)]
         with torch.no_grad():
-            self._pack_span(views, [p.grad for p in params], flat[total:total + count])
-            if loss_finite is None:
-                flat[-1:].zero_()
-            else:
-                flat[-1:].copy_((~loss_finite.to(device, torch.bool)).float().reshape(1))
+            grads = [p.grad for p in params]
+            _pack(views, grads)
+            flat[total:total + count].copy_(to_device([float(g is not None) for g in grads], torch.float32, device))
+            _non_finite_flag(flat[-1:], loss_finite)
             self.all_reduce_sum(flat, [])
             mean = flat[:total].div_(self.world_size)
             if params[0].dtype == torch.bfloat16:
                 seed = to_device([step_seed(self.seed, self.reductions, span + 1) & _INT31], torch.int32, device)
-                index = torch.arange(total, dtype=torch.int32, device=device)
-                mean.copy_(round_bits(mean, draw16(element_bits(index, seed), 0)))
-            grads = mean.to(params[0].dtype)
-            for p, grad in zip(params, grads.split(sizes), strict=True):
+                round_shadows_(mean, torch.arange(total, dtype=torch.int32, device=device), seed)
+            means = mean.to(params[0].dtype)
+            for p, grad in zip(params, means.split(sizes), strict=True):
                 p.grad = grad.view_as(p)
         return flat[-1] == 0, flat[total:total + count] > 0
-
-    @staticmethod
-    def _pack_span(views: list[torch.Tensor], grads: list[torch.Tensor | None], present: torch.Tensor) -> None:
-        """The span's gradients into ``views`` (zeros where there is none) and 1 / 0 per tensor into ``present``."""
-        have = [i for i, grad in enumerate(grads) if grad is not None]
-        if have:
-            torch._foreach_copy_([views[i] for i in have], [grads[i] for i in have])
-        missing = [views[i] for i, grad in enumerate(grads) if grad is None]
-        if missing:
-            torch._foreach_zero_(missing)
-        present.copy_(to_device([float(grad is not None) for grad in grads], torch.float32, present.device))
-
-    def _pack(self, grads: list[torch.Tensor | None]) -> None:
-        """Each gradient into its slot (one ``_foreach_copy_`` per gradient dtype), zeros where there is none."""
-        by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        missing = []
-        for view, grad in zip(self._views, grads, strict=True):
-            if grad is None:
-                missing.append(view)
-                continue
-            targets, sources = by_dtype.setdefault(grad.dtype, ([], []))
-            targets.append(view)
-            sources.append(grad)
-        for targets, sources in by_dtype.values():
-            torch._foreach_copy_(targets, sources)
-        if missing:
-            torch._foreach_zero_(missing)
 
     def _assign(self, grads: list[torch.Tensor | None], counts: list[int]) -> None:
         """The mean into ``.grad``: rounded into the low-precision buffers, whose views the bf16 / fp16 gradients
@@ -194,3 +162,29 @@ class GradientReducer:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.seed = int(state["seed"])
         self.reductions = int(state["reductions"])
+
+
+def _pack(views: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    """Each gradient into its view of a flat buffer (one ``_foreach_copy_`` per gradient dtype), zeros where there is
+    none."""
+    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    missing = []
+    for view, grad in zip(views, grads, strict=True):
+        if grad is None:
+            missing.append(view)
+            continue
+        targets, sources = by_dtype.setdefault(grad.dtype, ([], []))
+        targets.append(view)
+        sources.append(grad)
+    for targets, sources in by_dtype.values():
+        torch._foreach_copy_(targets, sources)
+    if missing:
+        torch._foreach_zero_(missing)
+
+
+def _non_finite_flag(flag: torch.Tensor, loss_finite: torch.Tensor | None) -> None:
+    """1 in ``flag`` (one element of the summed buffer) where this process's loss was not finite, else 0."""
+    if loss_finite is None:
+        flag.zero_()
+    else:
+        flag.copy_((~loss_finite.to(flag.device, torch.bool)).float().reshape(1))
