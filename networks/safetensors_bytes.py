@@ -38,37 +38,54 @@ def header(entries: Mapping[str, dict], metadata: Mapping[str, str] | None) -> b
     return len(encoded).to_bytes(8, "little") + encoded
 
 
-def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, dict], list[torch.Tensor]]:
-    """The header entries (in layout order) and each tensor's bytes (a ``uint8`` view of it, in the same order; no
-    copy of a contiguous CPU tensor) for CPU ``tensors``; a ``ValueError`` naming a tensor whose dtype safetensors
-    has no name for."""
+def _stored(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype ``tensor`` is written in: ``cast`` for a floating-point tensor when given, else its own."""
+    return cast if cast is not None and tensor.is_floating_point() else tensor.dtype
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def layout(tensors: Mapping[str, torch.Tensor], cast: torch.dtype | None = None
+           ) -> tuple[dict[str, dict], list[torch.Tensor]]:
+    """The header entries (in layout order) and the payload's parts (in the same order) for ``tensors``; a
+    ``ValueError`` naming a tensor whose dtype safetensors has no name for. Without ``cast`` the parts are each CPU
+    tensor's bytes (a ``uint8`` view; no copy of a contiguous tensor); with it the tensors themselves, which
+    ``chunks`` converts (floating-point ones to ``cast``, on any device) one at a time as they are written."""
     if sys.byteorder != "little":
         raise ValueError("safetensors stores little-endian bytes; this writer does not swap them")
-    unknown = [name for name, tensor in tensors.items() if tensor.dtype not in _RANK]
+    unknown = [name for name, tensor in tensors.items() if _stored(tensor, cast) not in _RANK]
     if unknown:
-        raise ValueError(f"{unknown[0]}: safetensors cannot store {tensors[unknown[0]].dtype}")
-    names = sorted(tensors, key=lambda name: (_RANK[tensors[name].dtype], name))
+        raise ValueError(f"{unknown[0]}: safetensors cannot store {_stored(tensors[unknown[0]], cast)}")
+    names = sorted(tensors, key=lambda name: (_RANK[_stored(tensors[name], cast)], name))
     entries, parts, offset = {}, [], 0
     for name in names:
         tensor = tensors[name].detach()
-        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
-        entries[name] = {"dtype": ORDER[tensor.dtype], "shape": list(tensor.shape),
-                         "data_offsets": [offset, offset + raw.numel()]}
-        parts.append(raw)
-        offset += raw.numel()
+        dtype = _stored(tensor, cast)
+        size = tensor.numel() * dtype.itemsize
+        entries[name] = {"dtype": ORDER[dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        parts.append(tensor if cast is not None else _raw(tensor))
+        offset += size
     return entries, parts
 
 
-def chunks(parts: list[torch.Tensor]) -> Iterator[memoryview]:
-    """The payload, one tensor's bytes at a time (what follows the header, with no gaps)."""
+def chunks(parts: list[torch.Tensor], cast: torch.dtype | None = None) -> Iterator[memoryview]:
+    """The payload, one tensor's bytes at a time (what follows the header, with no gaps); with ``cast`` (as given
+    to ``layout``) each part is brought to the host and converted just before its bytes are written."""
     for part in parts:
+        if cast is not None:
+            part = _raw(part.to("cpu", _stored(part, cast)))
         yield memoryview(part.numpy()).cast("B")
 
 
-def write(file: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> None:
+def write(file: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None,
+          cast: torch.dtype | None = None) -> None:
     """Write ``tensors`` with ``metadata`` to the open ``file``, one tensor at a time: no copy of the whole payload
-    is made, whatever the model's size."""
-    entries, parts = layout(tensors)
+    is made, whatever the model's size. ``cast``: the dtype floating-point tensors are stored in, each converted as
+    it is written (sd-scripts' ``mem_eff_save_file`` converts the same way), so no converted copy of the model is
+    made either; the tensors may then be on any device."""
+    entries, parts = layout(tensors, cast)
     file.write(header(entries, metadata))
-    for chunk in chunks(parts):
+    for chunk in chunks(parts, cast):
         file.write(chunk)

@@ -57,3 +57,25 @@ def test_the_payload_is_the_tensors_own_memory_not_a_copy():
     tensors = {"w": torch.randn(64, 32), "b": torch.randn(32).to(torch.bfloat16)}
     _, parts = safetensors_bytes.layout(tensors)
     assert sorted(part.data_ptr() for part in parts) == sorted(t.data_ptr() for t in tensors.values())
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_cast_writes_what_the_library_writes_for_the_converted_tensors(cast):
+    """``cast`` converts each floating-point tensor as it is written (sd-scripts' ``--mem_eff_save`` way): the file
+    is the library's for the tensors converted beforehand (the integer and bool ones kept), layout order included."""
+    tensors = tensors_of_every_dtype()
+    file = io.BytesIO()
+    safetensors_bytes.write(file, tensors, {"k": "v"}, cast=cast)
+    converted = {k: v.to(cast) if v.is_floating_point() else v for k, v in tensors.items()}
+    assert file.getvalue() == save(converted, {"k": "v"})
+
+
+def test_a_cast_converts_one_tensor_at_a_time():
+    """No converted copy of the whole model exists while writing: ``layout`` keeps the tensors themselves and
+    ``chunks`` converts one when its bytes are asked for."""
+    tensors = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+    _, parts = safetensors_bytes.layout(tensors, cast=torch.bfloat16)
+    assert sorted(part.data_ptr() for part in parts) == sorted(t.data_ptr() for t in tensors.values())
+    assert all(part.dtype == torch.float32 for part in parts)
+    first = next(safetensors_bytes.chunks(parts, cast=torch.bfloat16))
+    assert len(first) == parts[0].numel() * 2
