@@ -37,6 +37,11 @@ LEGACY_FLAGS = {"caption_extention": "caption_extension"}
 LEGACY_OPTIMIZER_FLAGS = {"use_8bit_adam": "AdamW8bit", "use_lion_optimizer": "Lion"}
 
 
+def legacy_flags(family: Any) -> dict[str, str]:
+    """The old flag names the script of ``family`` accepts: the shared ones and its own (old -> current)."""
+    return {**LEGACY_FLAGS, **family.legacy_flags}
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that raises ``UserError`` instead of exiting: an unknown flag that another script has is named as
     that script's option (as a TOML key is, ``_owners``), any other gets a did-you-mean."""
@@ -108,7 +113,7 @@ def build_parser(family: Any, families: Sequence[Any] = ()) -> argparse.Argument
                 kwargs["type"] = meta["parse"] or _CONVERT[kind]
                 if meta["choices"]:
                     kwargs["choices"] = meta["choices"]
-            names = [f"--{f.name}"] + [f"--{old}" for old, new in LEGACY_FLAGS.items() if new == f.name]
+            names = [f"--{f.name}"] + [f"--{old}" for old, new in legacy_flags(family).items() if new == f.name]
             group.add_argument(*names, dest=f.name, **kwargs)
     legacy = parser.add_argument_group("legacy", "old sd-scripts switches, kept for existing scripts")
     for name, optimizer in LEGACY_OPTIMIZER_FLAGS.items():
@@ -225,7 +230,8 @@ def _read_config(path: str, family: Any, families: Sequence[Any]) -> tuple[dict[
     file = Path(path if path.endswith(".toml") else path + ".toml")
     data = _read_toml(file)
     fields = all_fields(family)
-    known = [*fields, *LEGACY_FLAGS, *LEGACY_OPTIMIZER_FLAGS, *GUI_ONLY_KEYS, *GUI_REFUSED_WHEN_SET]
+    legacy = legacy_flags(family)
+    known = [*fields, *legacy, *LEGACY_OPTIMIZER_FLAGS, *GUI_ONLY_KEYS, *GUI_REFUSED_WHEN_SET]
     values: dict[str, Any] = {}
     seen_in: dict[str, str] = {}
     problems: list[str] = []
@@ -237,7 +243,7 @@ def _read_config(path: str, family: Any, families: Sequence[Any]) -> tuple[dict[
                 visit(value, f"{where}.{key}" if where else key)
                 continue
             loc = f"{file}: [{where}]" if where else f"{file}:"
-            name = LEGACY_FLAGS.get(key, key)
+            name = legacy.get(key, key)
             if name in GUI_ONLY_KEYS and name not in fields:  # a flag of this script: read as one (train_db.py)
                 gui_fields.append(key)
             elif name in GUI_REFUSED_WHEN_SET:

@@ -34,6 +34,18 @@ class FusedOptimizerGroups:
         "each tensor on its own (AdamW, Adafactor, Lion, SGD, StochasticAdamW, ...)")
 
 
+@dataclass
+class BlockwiseFusedOptimizers:
+    """``--blockwise_fused_optimizers`` of the full fine-tuning scripts that have it (``flux_train.py``): a mixin of
+    their sections."""
+
+    blockwise_fused_optimizers: bool = flag(
+        False, "step the weights inside backward block by block, each as soon as its gradients are complete, "
+        "freeing them: here the fused backward pass of --fused_backward_pass, whose spans of at most 32 tensors are "
+        "finer than a block (sd-scripts makes one optimizer per block instead); an optimizer that steps each tensor "
+        "on its own (AdamW, Adafactor, Lion, SGD, StochasticAdamW, ...)")
+
+
 @dataclass(frozen=True)
 class FusedBackward:
     """How a run steps its weights inside backward: the flag that asked for it, and the number of groups of tensors
@@ -45,7 +57,10 @@ class FusedBackward:
 
 def fused_backward(optimizer: OptimizerConfig, family_config: object = None) -> FusedBackward | None:
     """The run's fused backward pass, None without one: ``--fused_optimizer_groups N`` (N > 0; sd-scripts takes 0
-    as off) or ``--fused_backward_pass`` (the script's checks refuse both together)."""
+    as off), ``--blockwise_fused_optimizers`` or ``--fused_backward_pass`` (the script's checks refuse two of them
+    together)."""
     if isinstance(family_config, FusedOptimizerGroups) and family_config.fused_optimizer_groups:
         return FusedBackward("--fused_optimizer_groups", family_config.fused_optimizer_groups)
+    if isinstance(family_config, BlockwiseFusedOptimizers) and family_config.blockwise_fused_optimizers:
+        return FusedBackward("--blockwise_fused_optimizers")
     return FusedBackward("--fused_backward_pass") if optimizer.fused_backward_pass else None

@@ -102,6 +102,9 @@ def public_snapshot(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
 def from_namespace(values: dict[str, Any], family: Any) -> TrainConfig:
     """Build the typed config from parsed flag values (a dict keyed by flag name) for the script of ``family`` (a
     ``FamilySpec``): the shared sections, and the family's own section from the flags only its script has."""
+    if family.after_parse is not None:
+        values = dict(values)
+        family.after_parse(values)
     omitted = family.omitted_flags  # the script lacks them: their shared sections keep the defaults
     sections = {name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)
                              if f.name in values and f.name not in omitted})

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from library.config.fields import flag
 
@@ -45,19 +45,6 @@ def fine_tuning_record(lora: Any, **fields: Any) -> Any:
                    refused_flags={**lora.refused_flags, **FINE_TUNE_REFUSED_FLAGS}, **fields)
 
 
-@dataclass
-class CheckpointSaving:
-    """The checkpoint flags of the full fine-tuning scripts (a mixin of their sections)."""
-
-    save_model_as: str | None = flag(
-        None, "format of the saved model: ckpt / safetensors (one file in the original layout) or diffusers / "
-        "diffusers_safetensors (a diffusers folder); default: the layout the model was read from",
-        choices=CHECKPOINT_FORMATS)
-    use_safetensors: bool = flag(
-        False, "save in safetensors (a .safetensors file, or safetensors weights in a diffusers folder) where "
-        "--save_model_as does not say")
-
-
 @dataclass(frozen=True)
 class CheckpointFormat:
     """How a checkpoint is written: one file (``.ckpt`` or ``.safetensors``) or a diffusers folder."""
@@ -78,8 +65,28 @@ class CheckpointFormat:
         return "a diffusers folder with " + ("safetensors" if self.safetensors else ".bin") + " weights"
 
 
+@dataclass
+class CheckpointSaving:
+    """The checkpoint flags of the full fine-tuning scripts (a mixin of their sections)."""
+
+    # The one format a script writes whatever the flags say (``flux_train.py``: one .safetensors file); None: chosen
+    # by the flags and the model's source (``checkpoint_format``).
+    ONLY_FORMAT: ClassVar[CheckpointFormat | None] = None
+
+    save_model_as: str | None = flag(
+        None, "format of the saved model: ckpt / safetensors (one file in the original layout) or diffusers / "
+        "diffusers_safetensors (a diffusers folder); default: the layout the model was read from",
+        choices=CHECKPOINT_FORMATS)
+    use_safetensors: bool = flag(
+        False, "save in safetensors (a .safetensors file, or safetensors weights in a diffusers folder) where "
+        "--save_model_as does not say")
+
+
 def checkpoint_format(section: CheckpointSaving, source: str | None) -> CheckpointFormat:
-    """The format sd-scripts writes for these flags and ``--pretrained_model_name_or_path`` ``source``."""
+    """The format sd-scripts writes for these flags and ``--pretrained_model_name_or_path`` ``source`` (a section
+    whose script writes one format only says which, ``CheckpointSaving.ONLY_FORMAT``)."""
+    if section.ONLY_FORMAT is not None:
+        return section.ONLY_FORMAT
     chosen = section.save_model_as
     if chosen is None:
         return CheckpointFormat(single_file=source is not None and os.path.isfile(source),

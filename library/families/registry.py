@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from library.families.flux.spec import FINE_TUNE as FLUX_FINE_TUNE
 from library.families.flux.spec import SPEC as FLUX
 from library.families.sd.spec import DREAMBOOTH as SD_DREAMBOOTH
 from library.families.sd.spec import FINE_TUNE as SD_FINE_TUNE
@@ -19,7 +20,7 @@ from library.families.spec import FamilySpec
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (SD, SDXL, FLUX)}
 
 # The full fine-tuning scripts' records (each family's LoRA script is its record in ``FAMILIES``).
-FINE_TUNING: tuple[FamilySpec, ...] = (SD_FINE_TUNE, SD_DREAMBOOTH, SDXL_FINE_TUNE)
+FINE_TUNING: tuple[FamilySpec, ...] = (SD_FINE_TUNE, SD_DREAMBOOTH, SDXL_FINE_TUNE, FLUX_FINE_TUNE)
 
 
 def entry_scripts() -> dict[str, FamilySpec]:

@@ -78,6 +78,12 @@ class FamilySpec:
     # A full fine-tuning script's choice of what trains: ``trained_parts(model, section, learning_rate)`` gives the
     # ``TrainedPart`` list (``library/families/checkpoint_flags.py``)
     trained_parts: Callable[..., list[Any]] | None = None
+    # Old flag names the script still accepts (old name -> the flag it now sets), beside the shared ones of
+    # ``library/config/cli.py`` ``LEGACY_FLAGS``
+    legacy_flags: Mapping[str, str] = field(default_factory=dict)
+    # What upstream's script does to the parsed values before training (deprecated flags converted, implied
+    # flags set): ``after_parse(values)`` changes the dict of flag values in place
+    after_parse: Callable[[dict[str, Any]], None] | None = None
 
     def family_config(self, values: Mapping[str, Any]) -> Any:
         """Its own section filled from parsed flag values (None for a family without flags of its own)."""

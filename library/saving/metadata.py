@@ -32,7 +32,8 @@ MINIMAL_KEYS = ("ss_v2", "ss_base_model_version", "ss_network_module", "ss_netwo
 # civitai) only display them. Both carry this value, in upstream's "<implementation>/<version>" form, which cannot be
 # taken for an sd-scripts commit (this checkout's own commit, 40 hex digits too, would be).
 PROJECT_VERSION = "sd-scripts-bf16/0.1"
-# modelspec.implementation of every full checkpoint (sai_model_spec.IMPL_STABILITY_AI for is_stable_diffusion_ckpt)
+# modelspec.implementation of the SD and SDXL full checkpoints (sai_model_spec.IMPL_STABILITY_AI for
+# is_stable_diffusion_ckpt; FLUX.1's keep BFL's, as its LoRAs do)
 STABILITY_AI_IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
 # The --metadata_* flags that become modelspec.<name> entries (sd-scripts' add_model_spec_arguments; title apart).
 SPEC_FLAGS = ("author", "description", "license", "tags", "usage_hint", "thumbnail", "merged_from", "trigger_phrase",
@@ -103,11 +104,14 @@ def checkpoint_metadata(cfg: TrainConfig, ids: ModelIds, resolution: tuple[int, 
                         thumbnail: str | None) -> Metadata:
     """The metadata of a full fine-tuning checkpoint, as sd-scripts' ``get_sai_model_spec(..., lora=False,
     is_stable_diffusion_ckpt=True)`` makes it: the ModelSpec entries of ``modelspec`` with the model's own
-    architecture (no "/lora"), Stability AI's implementation and the default title "Checkpoint@<time>"; no ``ss_*``
-    entries are written (the saver takes the step and epoch from them)."""
+    architecture (no "/lora"), Stability AI's implementation in place of diffusers' (FLUX.1 keeps BFL's, as
+    ``flux_train.py``'s ``flux="dev"`` gives; the architecture here is the model's variant, where upstream writes
+    flux-1-dev for schnell too) and the default title "Checkpoint@<time>"; no ``ss_*`` entries are written (the
+    saver takes the step and epoch from them)."""
+    implementation = STABILITY_AI_IMPLEMENTATION if ids.implementation == "diffusers" else ids.implementation
     spec = {**modelspec(cfg, ids, resolution, thumbnail),
             "modelspec.architecture": ids.architecture.removesuffix("/lora"),
-            "modelspec.implementation": STABILITY_AI_IMPLEMENTATION}
+            "modelspec.implementation": implementation}
     return Metadata({}, spec, cfg.save.metadata_title or cfg.save.output_name, False, kind="Checkpoint")
 
 

@@ -4,11 +4,13 @@ Writes, next to this file (or into ``--out_dir``), one file per upstream full fi
 
 * ``upstream_fine_tune_flags.json``: every option of upstream ``fine_tune.setup_parser()``;
 * ``upstream_train_db_flags.json``: every option of upstream ``train_db.setup_parser()``;
-* ``upstream_sdxl_train_flags.json``: every option of upstream ``sdxl_train.setup_parser()``.
+* ``upstream_sdxl_train_flags.json``: every option of upstream ``sdxl_train.setup_parser()``;
+* ``upstream_flux_train_flags.json``: every option of upstream ``flux_train.setup_parser()``.
 
 Each holds ``flags`` in the format of ``upstream_train_network_flags.json`` (dest, action, type, nargs, default,
 choices; help texts left out), plus two lists of dests that compare it with its LoRA sibling
-(``train_network.setup_parser()`` for fine_tune and train_db, ``sdxl_train_network.setup_parser()`` for sdxl_train):
+(``train_network.setup_parser()`` for fine_tune and train_db, ``sdxl_train_network.setup_parser()`` for sdxl_train,
+``flux_train_network.setup_parser()`` for flux_train):
 ``<script>_only`` (dests the sibling's parser lacks) and ``<sibling>_only`` (dests only the sibling has), and
 ``differs_from_<sibling>``: the dests both have whose action, type, nargs, default or choices differ.
 
@@ -40,6 +42,7 @@ SCRIPTS = {
     "fine_tune": "train_network",
     "train_db": "train_network",
     "sdxl_train": "sdxl_train_network",
+    "flux_train": "flux_train_network",
 }
 
 

@@ -1,9 +1,10 @@
 """End to end (issue 30): ``--fused_backward_pass --gradient_accumulation_steps 2`` (sd-scripts refuses the
 combination) trains the same weights as the unfused run with the same accumulation, bit for bit (``--max_grad_norm
 0``: the fused path clips each tensor on its own): a LoRA in fp32, ``fine_tune.py`` training the U-Net and the text
-encoder in fp32 and in full bf16, and ``sdxl_train.py --fused_optimizer_groups`` with Adafactor in full bf16. The
-tiny model's 2.4 M U-Net weights take the compiled optimizer kernels, which the fused path must take for each
-32-tensor span too (compiled and eager kernels round differently)."""
+encoder in fp32 and in full bf16, ``sdxl_train.py --fused_optimizer_groups`` with Adafactor in full bf16 and
+``flux_train.py --blockwise_fused_optimizers`` in bf16. The tiny model's 2.4 M U-Net weights take the compiled
+optimizer kernels, which the fused path must take for each 32-tensor span too (compiled and eager kernels round
+differently)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ CASES = {
         "--train_text_encoder", "--save_model_as", "safetensors", "--mixed_precision", "bf16", "--full_bf16",
         "--optimizer_type", "Adafactor", "--optimizer_args", "relative_step=False", "scale_parameter=False"],
         ["--fused_optimizer_groups", "6"]),
+    # flux_train.py: bf16 weights under --mixed_precision bf16 (as upstream's), stepped block by block
+    "flux_train-blockwise": ("flux_train.py", [
+        "--pretrained_model_name_or_path", "builtin:tiny-flux", "--caption_extension", ".txt", "--mixed_precision",
+        "bf16", "--cache_latents", "--cache_text_encoder_outputs"], ["--blockwise_fused_optimizers"]),
 }
 
 

@@ -144,14 +144,17 @@ IGNORED_FLAGS["tokenizer_cache_dir"] = ("the bundled CLIP-L and T5 tokenizers ar
 
 
 def _refusals(cfg: TrainConfig) -> list[str]:
-    """What this script does not provide for FLUX.1 (the shared flags it refuses are ``REFUSED_FLAGS``)."""
+    """What the FLUX.1 scripts do not provide (the shared flags they refuse are ``REFUSED_FLAGS``); for the LoRA
+    script also text encoder caching while CLIP-L's LoRA trains (``flux_train.py`` never trains the text
+    encoders)."""
     f = cfg.family_config
     problems = []
     if f.controlnet_model_name_or_path:
         problems.append(_CONTROLNET)
     if f.model_type == "chroma":
         problems.append(_CHROMA)
-    if f.caches_text_encoder_outputs and not cfg.network.network_train_unet_only:
+    lora = cfg.family.trained == "network"
+    if lora and f.caches_text_encoder_outputs and not cfg.network.network_train_unet_only:
         problems.append(f"{f.caching_flag}: the CLIP-L LoRA cannot train from cached outputs; add "
                         "--network_train_unet_only or drop the caching flag")
     return problems
@@ -229,7 +232,8 @@ def _warn(cfg: TrainConfig) -> None:
 def flux_script_problems(cfg: TrainConfig) -> list[str]:
     """What ``flux_train_network.py`` refuses (sd-scripts' ``FluxNetworkTrainer.assert_extra_args`` and
     ``post_process_network``, plus the flags this trainer does not provide for FLUX.1) beyond the shared flags it
-    refuses or ignores (``REFUSED_FLAGS``, ``IGNORED_FLAGS``), each message naming what to do instead."""
+    refuses or ignores (``REFUSED_FLAGS``, ``IGNORED_FLAGS``), each message naming what to do instead; also the
+    checks of ``flux_train.py`` it shares (``fine_tune_config.flux_fine_tune_problems``)."""
     _warn(cfg)
     return (_refusals(cfg) + _range_problems(cfg.family_config) + _huber_problems(cfg) + _model_file_problems(cfg)
             + _memory_problems(cfg))

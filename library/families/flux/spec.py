@@ -1,9 +1,17 @@
-"""FLUX.1's record (``flux_train_network.py``): the facts the shared stages read about it."""
+"""FLUX.1's records: ``flux_train_network.py`` (``SPEC``) and its full fine-tuning script ``flux_train.py``
+(``FINE_TUNE``): the facts the shared stages read about them."""
 
 from __future__ import annotations
 
 from library.config.dataset import BucketStep
+from library.families.checkpoint_flags import fine_tuning_record
 from library.families.flux.config import IGNORED_FLAGS, REFUSED_FLAGS, FluxConfig, flux_script_problems
+from library.families.flux.fine_tune_config import (
+    LEGACY_FLAGS,
+    FluxFineTuneConfig,
+    flux_fine_tune_after_parse,
+    flux_fine_tune_problems,
+)
 from library.families.spec import FamilySpec, deferred
 
 SPEC = FamilySpec(
@@ -23,4 +31,17 @@ SPEC = FamilySpec(
     text_cache_suffix="_flux_te.npz",  # FluxTextEncoderOutputsCachingStrategy's file suffix
     network_module="networks.lora_flux",
     ignored_flags=IGNORED_FLAGS, refused_flags=REFUSED_FLAGS, sample_guidance=True,
+)
+
+FINE_TUNE = fine_tuning_record(
+    SPEC, script="flux_train.py",
+    description="Fine-tune a FLUX.1 dev / schnell transformer: all of its weights (kohya sd-scripts flags; folders "
+    "or --in_json metadata).",
+    trains="whole FLUX.1 transformers (full fine-tuning)",
+    section_name="flux_fine_tune", section=FluxFineTuneConfig, script_problems=flux_fine_tune_problems,
+    # flux_train.py: train_dataset_group.verify_bucket_reso_steps(16)
+    bucket_step=BucketStep(16, "for FLUX.1 full fine-tuning (sd-scripts' flux_train.py checks 16)"),
+    legacy_flags=LEGACY_FLAGS, after_parse=flux_fine_tune_after_parse,
+    trained_parts=deferred("library.families.flux.fine_tuning", "flux_fine_tune_parts"),
+    write_checkpoint=deferred("library.families.flux.checkpoint_files", "write_flux_checkpoint"),
 )

@@ -17,7 +17,12 @@ import pytest
 
 from library.base.errors import UserError
 from library.config import SECTION_CLASSES, all_fields, validate
-from library.families.checkpoint_flags import LORA_ONLY_FLAGS, CheckpointSaving, checkpoint_format
+from library.families.checkpoint_flags import (
+    LORA_ONLY_FLAGS,
+    CheckpointFormat,
+    CheckpointSaving,
+    checkpoint_format,
+)
 from library.families.registry import entry_scripts
 from tests.config_helpers import build_parser, parse_args, sample_cli_value, sample_toml_value
 
@@ -25,7 +30,8 @@ DATA = Path(__file__).resolve().parents[2] / "data"
 # script -> (its family's name, its LoRA sibling, the model its tests parse)
 SCRIPT_FACTS = {"fine_tune.py": ("sd", "train_network.py", "builtin:tiny-sd15"),
                 "train_db.py": ("sd", "train_network.py", "builtin:tiny-sd15"),
-                "sdxl_train.py": ("sdxl", "sdxl_train_network.py", "builtin:tiny-sdxl")}
+                "sdxl_train.py": ("sdxl", "sdxl_train_network.py", "builtin:tiny-sdxl"),
+                "flux_train.py": ("flux", "flux_train_network.py", "builtin:tiny-flux")}
 NAMES = list(SCRIPT_FACTS)
 
 
@@ -66,10 +72,12 @@ def _int_or_float(text: str) -> int | float:
 UPSTREAM_TYPES = {"int": int, "float": float, "str": str, None: str, "Path": str, "int_or_float": _int_or_float}
 # Flags whose value upstream moves after parsing (library/train_util.py prepare_dataset_args: resolution and
 # face_crop_aug_range split into a tuple, caption_extention copied to caption_extension; get_optimizer: the legacy
-# optimizer switches stand for an optimizer_type): the field it lands in and, where upstream computes one, the value.
+# optimizer switches stand for an optimizer_type; flux_train.py: skip_latents_validity_check copied to
+# skip_cache_check): the field it lands in and, where upstream computes one, the value.
 LANDS_IN = {"resolution": ("resolution", (512, 768)), "face_crop_aug_range": ("face_crop_aug_range", (2.0, 4.0)),
             "caption_extention": ("caption_extension", None), "use_8bit_adam": ("optimizer_type", "AdamW8bit"),
-            "use_lion_optimizer": ("optimizer_type", "Lion")}
+            "use_lion_optimizer": ("optimizer_type", "Lion"),
+            "skip_latents_validity_check": ("skip_cache_check", None)}
 
 
 def _expected(flag: dict) -> tuple[str, object]:
@@ -104,7 +112,17 @@ def _assert_lands(script: str, argv: list[str], flag: dict) -> None:
     assert repr(got[key]) == repr(expected), (flag["dest"], key, got[key], expected)
     assert repr(before[key]) != repr(expected), (flag["dest"], "the sample value is the default")
     changed = {k for k, value in got.items() if repr(value) != repr(before[k])}
+    also = ALSO_SETS.get(flag["dest"])
+    if also is not None:  # upstream's train() converts the value into another flag's
+        assert got[also[0]] == also[1](expected), (flag["dest"], also[0], got[also[0]])
+        changed.discard(also[0])
     assert changed <= {key, "run.config_file"}, (flag["dest"], changed)
+
+
+# flux_train.py's deprecated swap counts (its train(): blocks_to_swap = (double or 0) + single // 2 when
+# --blocks_to_swap is not given and the sum is above 0): the field each also sets, and its value from the flag's.
+ALSO_SETS = {"double_blocks_to_swap": ("flux_fine_tune.blocks_to_swap", lambda double: double),
+             "single_blocks_to_swap": ("flux_fine_tune.blocks_to_swap", lambda single: single // 2 or None)}
 
 
 CASES = [(script, flag) for script in NAMES for flag in UPSTREAM[script]["flags"]]
@@ -112,12 +130,15 @@ CASE_IDS = [f"{script}-{flag['dest']}" for script, flag in CASES]
 
 
 def test_the_lists_are_upstreams():
-    assert [len(UPSTREAM[s]["flags"]) for s in NAMES] == [167, 169, 176]
+    assert [len(UPSTREAM[s]["flags"]) for s in NAMES] == [167, 169, 176, 194]
     assert _own("fine_tune.py") == ["use_safetensors", "diffusers_xformers", "train_text_encoder", "learning_rate_te"]
     assert _own("train_db.py") == ["use_safetensors", "learning_rate_te", "no_token_padding",
                                    "stop_text_encoder_training"]
     assert _own("sdxl_train.py") == ["use_safetensors", "learning_rate_te1", "learning_rate_te2",
                                      "diffusers_xformers", "train_text_encoder", "block_lr", "fused_optimizer_groups"]
+    assert _own("flux_train.py") == ["use_safetensors", "mem_eff_save", "fused_optimizer_groups",
+                                     "blockwise_fused_optimizers", "skip_latents_validity_check",
+                                     "double_blocks_to_swap", "single_blocks_to_swap"]
 
 
 @pytest.mark.parametrize("script,flag", CASES, ids=CASE_IDS)
@@ -156,8 +177,10 @@ def test_own_options_have_upstreams_defaults_choices_and_switches(script, dest):
     # upstream lists None among save_model_as's choices: its default, not a value to give
     assert list(action.choices or []) == [c for c in upstream["choices"] or [] if c is not None]
     cfg, _ = parse_args(_base(script), script=script)
-    assert getattr(cfg.family_config, dest) == upstream["default"]
-    assert all_fields(cfg.family)[dest][0] == cfg.family.section_name
+    field = LANDS_IN.get(dest, (dest, None))[0]  # an old name sets a shared flag (flux_train.py's)
+    section = all_fields(cfg.family)[field][0]
+    assert _fields(cfg)[f"{section}.{field}"] == upstream["default"]
+    assert section == cfg.family.section_name or dest in LANDS_IN
 
 
 @pytest.mark.parametrize("script", NAMES)
@@ -251,6 +274,15 @@ REFUSALS = [
      "--fused_optimizer_groups with --fused_backward_pass: both step the weights inside backward"),
     *[(script, ["--fp8_base", "--mixed_precision", "bf16"], "--fp8_base stores frozen weights in fp8, but full "
        "fine-tuning trains the denoiser's weights; use --full_bf16") for script in NAMES],
+    ("flux_train.py", ["--blocks_to_swap", "4"], "--blocks_to_swap 4: swapping the blocks of a trained transformer "
+     "is not supported by flux_train.py here yet"),
+    ("flux_train.py", ["--double_blocks_to_swap", "2", "--single_blocks_to_swap", "4"], "--blocks_to_swap 4: "),
+    ("flux_train.py", ["--save_model_as", "diffusers"], "--save_model_as diffusers: flux_train.py writes one "
+     ".safetensors file in BFL's layout"),
+    ("flux_train.py", ["--fused_optimizer_groups", "-1"], "--fused_optimizer_groups -1: give a number of groups > 0"),
+    ("flux_train.py", ["--blockwise_fused_optimizers", "--fused_backward_pass"],
+     "--fused_backward_pass and --blockwise_fused_optimizers: each steps the weights inside backward; give one"),
+    ("flux_train.py", ["--model_type", "chroma"], "--model_type chroma: Chroma"),
 ]
 
 
@@ -286,9 +318,45 @@ def test_the_entry_script_stops_with_exit_2(script, argv, message, tmp_path, cap
 @pytest.mark.parametrize("script,argv", [("train_db.py", ["--stop_text_encoder_training", "-1"]),
                                          ("train_db.py", ["--stop_text_encoder_training", "0"]),
                                          ("train_db.py", ["--stop_text_encoder_training", "5"]),
-                                         ("sdxl_train.py", ["--train_text_encoder", "--learning_rate_te1", "0"])])
+                                         ("sdxl_train.py", ["--train_text_encoder", "--learning_rate_te1", "0"]),
+                                         ("flux_train.py", ["--cache_text_encoder_outputs"]),
+                                         ("flux_train.py", ["--save_model_as", "safetensors", "--use_safetensors"]),
+                                         ("flux_train.py", ["--blockwise_fused_optimizers", "--mem_eff_save"]),
+                                         ("flux_train.py", ["--fused_optimizer_groups", "4"])])
 def test_what_runs_passes(script, argv, tmp_path):
     assert _problems(script, argv, tmp_path) == []
+
+
+@pytest.mark.parametrize("argv,full_bf16", [(["--mixed_precision", "bf16"], True), (["--mixed_precision", "fp16"],
+                                                                                   False), ([], False)])
+def test_flux_train_trains_the_transformer_in_the_mixed_dtype(argv, full_bf16, tmp_path):
+    """sd-scripts' flux_train.py loads the transformer in --mixed_precision's dtype and trains it there: bf16
+    weights under --mixed_precision bf16 with or without --full_bf16, so here --full_bf16 is set (and the
+    optimizers round stochastically); the LoRA script keeps its fp32 LoRA weights."""
+    cfg, _ = parse_args(_base("flux_train.py") + argv, script="flux_train.py")
+    assert cfg.precision.full_bf16 is full_bf16
+    lora, _ = parse_args(_base("flux_train.py") + argv, family="flux")
+    assert lora.precision.full_bf16 is False
+
+
+def test_flux_train_writes_one_safetensors_file_whatever_the_flags(tmp_path):
+    """sd-scripts' flux_train.py saves through save_sd_model_on_train_end_common(args, True, True, ...): one file,
+    safetensors, whether the model came from a file or not and whatever --use_safetensors says."""
+    source = tmp_path / "flux1-dev.safetensors"
+    source.write_bytes(b"")
+    for argv in ([], ["--save_model_as", "safetensors"]):
+        cfg, _ = parse_args(_base("flux_train.py") + argv, script="flux_train.py")
+        for model in (str(source), "builtin:tiny-flux"):
+            assert checkpoint_format(cfg.family_config, model) == CheckpointFormat(True, True)
+
+
+def test_the_old_cache_check_flag_of_flux_train_is_skip_cache_check(tmp_path):
+    toml = tmp_path / "args.toml"
+    toml.write_text("skip_latents_validity_check = true\n")
+    cfg, _ = parse_args(_base("flux_train.py") + ["--config_file", str(toml)], script="flux_train.py")
+    assert cfg.data.skip_cache_check is True
+    with pytest.raises(UserError, match="unknown flag --skip_latents_validity_check"):
+        parse_args(_base("sdxl_train.py") + ["--skip_latents_validity_check"], script="sdxl_train.py")
 
 
 # (--save_model_as, --use_safetensors, the model read from a file) -> (one file, safetensors), written by hand from
