@@ -13,6 +13,9 @@ run); a failed launch fails the tests of the runs it did not complete.
 * ``bf16``: full bf16 + StochasticAdamW, accumulation 2, cached latents and text-encoder outputs,
   ``--network_train_unet_only``, 4 updates with the state saved after 2; ``bf16_resumed`` resumes from there on
   2 processes and ends as the uninterrupted run.
+* ``fine_tune_fused``: ``flux_train.py`` (the transformer's own weights) with ``--fused_backward_pass`` and SGD in
+  fp32, no clipping, two images of batch 1: each span averaged over the processes inside backward equals one
+  process accumulating two bit for bit.
 * ``swap`` / ``no_swap``: ``--blocks_to_swap 5`` on the tiny FLUX with 4 double and 8 single blocks (fp8 base,
   gradient checkpointing), which upstream allows with DDP; the transformer's LoRA comes out as without swapping.
 """
@@ -50,7 +53,17 @@ BF16_CACHED = (*FULL_BF16_SR, "--gradient_accumulation_steps", "2", "--cache_lat
                "--network_train_unet_only", "--max_train_steps", "4", "--save_every_n_steps", "2", "--save_state")
 SWAP = ("--pretrained_model_name_or_path", "builtin:tiny-flux:double=4,single=8", *FULL_BF16_SR, "--fp8_base",
         "--network_train_unet_only", "--gradient_checkpointing", "--max_train_steps", "2")
-LAUNCHES = {"all": ("equivalence", "bf16", "bf16_resumed", "swap", "no_swap")}  # one start (about 10 s) for all
+FINE_TUNE_FUSED = ("--optimizer_type", "SGD", "--max_train_steps", "3", "--save_every_n_steps", "1",
+                   "--max_grad_norm", "0", "--fused_backward_pass", "--train_batch_size", "1")
+LAUNCHES = {"all": ("equivalence", "bf16", "bf16_resumed", "swap", "no_swap", "fine_tune_fused")}  # one start
+
+
+def flux_fine_tune(args: list[str]) -> list[str]:
+    """The same run for ``flux_train.py``: the transformer's own weights, without the LoRA's flags, at a learning
+    rate that suits them."""
+    lora = {"--network_module", "--network_dim", "--network_alpha", "--learning_rate"}
+    kept = [arg for i, arg in enumerate(args) if arg not in lora and (i == 0 or args[i - 1] not in lora)]
+    return [*kept, "--learning_rate", "1e-3"]
 
 
 def flux_args(out: Path, *extra: str, data: Path = SAMPLES) -> list[str]:
@@ -91,10 +104,10 @@ def flux_noise_by_image():
         ddp_driver._image_generators, flux_objective.sample_noisy_model_input = original_generators, original_sample
 
 
-def run_in_process(args: list[str], inject: dict) -> int:
+def run_in_process(args: list[str], inject: dict, script: str | None = None) -> int:
     """One run in this process with the injections the 2-process runs have."""
     with flux_noise_by_image(), ddp_driver.patched(inject, ddp_driver.Recorder()):
-        return train_network.main(args, family="flux")
+        return train_network.main(args, family="flux", script=script)
 
 
 def plan(root: Path, two: Path) -> dict[str, dict]:
@@ -107,8 +120,12 @@ def plan(root: Path, two: Path) -> dict[str, dict]:
                                    str(out / "bf16" / "lora-step00000002-state")), {}),
         "swap": (flux_args(out / "swap", *SWAP, "--blocks_to_swap", "5"), {}),
         "no_swap": (flux_args(out / "no_swap", *SWAP), {}),
+        "fine_tune_fused": (flux_fine_tune(flux_args(out / "fine_tune_fused", *FINE_TUNE_FUSED, data=two)),
+                            {"noise_by_image": True}),
     }
-    return {name: {"name": name, "args": args, "inject": inject} for name, (args, inject) in runs.items()}
+    scripts = {"fine_tune_fused": "flux_train.py"}
+    return {name: {"name": name, "args": args, "inject": inject, "script": scripts.get(name)}
+            for name, (args, inject) in runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +219,23 @@ def test_two_processes_of_one_image_equal_one_process_of_two(runs, tmp_path):
     assert worst < 1e-6, f"largest difference {worst:.2e} (moved up to {moved:.2e})"
 
 
+def test_flux_train_fused_on_two_processes_of_one_image_equals_one_process_accumulating_two(runs, tmp_path):
+    """``flux_train.py --fused_backward_pass`` under torchrun: each span of the transformer's gradients averaged
+    over the processes inside backward before it steps, as one process accumulating two micro-batches steps."""
+    assert exits(runs, "fine_tune_fused") == [0, 0]
+    first, second = replicas(runs, "fine_tune_fused")
+    assert differing(first, second) == []
+    ours, accumulating = output(runs, "fine_tune_fused"), tmp_path / "accumulating"
+    args = flux_fine_tune(flux_args(accumulating, *FINE_TUNE_FUSED, "--gradient_accumulation_steps", "2",
+                                    data=runs["two"]))
+    assert run_in_process(args, {"noise_by_image": True, "losses_per_epoch": 2}, script="flux_train.py") == 0
+    for step in ("lora-step00000001", "lora-step00000002", "lora"):
+        a, b = load_file(ours / f"{step}.safetensors"), load_file(accumulating / f"{step}.safetensors")
+        assert differing(a, b) == [], step
+    start = load_file(ours / "lora-step00000001.safetensors")
+    assert len(differing(start, load_file(ours / "lora.safetensors"))) > len(start) // 2  # later updates trained
+
+
 def drive() -> None:
     """Under torchrun: every run of the plan file ``argv[1]``, recorded under ``argv[2]`` (``ddp_driver.run_one``)."""
     import torch.distributed as dist
@@ -213,7 +247,8 @@ def drive() -> None:
     for item in items:
         started = time.monotonic()
         with flux_noise_by_image() if item["inject"].get("noise_by_image") else contextlib.nullcontext():
-            ddp_driver.run_one(item["args"], item["inject"], out / item["name"], dist.get_rank(), "flux")
+            ddp_driver.run_one(item["args"], item["inject"], out / item["name"], dist.get_rank(), "flux",
+                               item["script"])
         print(f"test_flux_distributed: process {dist.get_rank()}: {item['name']} took "
               f"{time.monotonic() - started:.1f} s", file=sys.__stderr__, flush=True)
     dist.destroy_process_group()
