@@ -25,8 +25,8 @@ class OptimizerConfig:
 
 @dataclass
 class FusedOptimizerGroups:
-    """``--fused_optimizer_groups`` of the full fine-tuning scripts that have it (``sdxl_train.py``): a mixin of
-    their sections."""
+    """``--fused_optimizer_groups`` of the full fine-tuning scripts that have it (``sdxl_train.py``,
+    ``flux_train.py``): a mixin of their sections."""
 
     fused_optimizer_groups: int | None = flag(
         None, "step the weights inside backward in N groups of consecutive tensors (a new group where the learning "
