@@ -18,6 +18,11 @@ GUI_ONLY_KEYS: dict[str, str] = {
                                   "scripts train their text encoders throughout, as sd-scripts' do",
     "no_token_padding": "the DreamBooth tab's No token padding box (written for sdxl_train.py too), a flag of "
                         "sd-scripts' train_db.py that it reads nowhere",
+    "learning_rate_te": "the DreamBooth and Finetune tabs' text encoder learning rate (written for every model but "
+                        "SDXL), a flag of sd-scripts' fine_tune.py and train_db.py; flux_train.py trains no text "
+                        "encoder, as sd-scripts' does not",
+    "train_text_encoder": "the Finetune tab's Train text encoder box, a flag of sd-scripts' fine_tune.py and "
+                          "sdxl_train.py; flux_train.py trains no text encoder, as sd-scripts' does not",
 }
 
 # What a GUI field that the GUI writes whatever the settings means when its tracker is off (``lora_gui.py`` writes
@@ -37,7 +42,6 @@ GUI_REFUSED_WHEN_SET: dict[str, str] = {
 # own keys: ``FamilySpec.section``); a key of several scripts (sd-scripts 48d368fa: clip_l, t5xxl, ... of both
 # flux_train_utils.py and sd3_train_utils.py) is listed under each.
 OTHER_FAMILY_KEYS: dict[str, tuple[str, ...]] = {
-    "FLUX.1 fine-tuning (flux_train.py)": ("double_blocks_to_swap", "mem_eff_save", "single_blocks_to_swap"),
     "SD3 (sd3_train_network.py)": (
         "apply_t5_attn_mask", "clip_g", "clip_g_dropout_rate", "clip_l", "clip_l_dropout_rate",
         "enable_scaled_pos_embed", "logit_mean", "logit_std", "mode_scale", "pos_emb_random_crop_rate", "save_clip",

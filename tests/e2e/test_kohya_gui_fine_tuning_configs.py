@@ -112,7 +112,8 @@ def trained(tmp_path_factory, images):
 
 def test_every_file_is_here_with_its_header():
     found = {f"{p.parent.name}/{p.stem}" for d in ("dreambooth", "finetune") for p in (GUI_DIR / d).glob("*.toml")}
-    assert found == set(CONFIGS)
+    # the FLUX.1 files (flux_train.py) are test_kohya_gui_flux_fine_tuning.py's
+    assert {n for n in found if not n.split("/")[1].startswith("flux1_")} == set(CONFIGS)
     for name in CONFIGS:
         tab = "DreamBooth" if name.startswith("dreambooth/") else "Finetune"
         text = (GUI_DIR / f"{name}.toml").read_text(encoding="utf-8")

@@ -7,8 +7,10 @@ deprecated ``--skip_latents_validity_check`` (sets ``--skip_cache_check``), ``--
 ``--single_blocks_to_swap`` (converted to ``--blocks_to_swap`` when it is not given) and the checkpoint flags of the
 full fine-tuning scripts. Its ``train``: the transformer is loaded in ``--mixed_precision``'s dtype and trained in it
 (so ``--mixed_precision bf16`` alone trains bf16 weights, as ``--full_bf16``, which is set here so that the
-optimizers round stochastically); the checkpoint is always one ``.safetensors`` file in BFL's layout, whatever
-``--save_model_as`` / ``--use_safetensors`` say; the text encoders are never trained.
+optimizers round stochastically; under ``--mixed_precision fp16`` without ``--full_fp16`` upstream's gradient scaler
+refuses the fp16 gradients at the first step, and here the weights train in fp32 with loss scaling); the
+checkpoint is always one ``.safetensors`` file in BFL's layout, whatever ``--save_model_as`` / ``--use_safetensors``
+say; the text encoders are never trained.
 
 Where we differ: upstream accepts ``--fused_optimizer_groups`` and ignores it ("this option is not working"); here it
 steps the weights inside backward in N groups of tensors, as ``sdxl_train.py``'s does.

@@ -21,8 +21,8 @@ norm and transformer tensor (84 per case) must equal ours: the same fp32 ops in 
 weights in upstream's ``named_parameters`` order, so clipping sums the per-tensor norms in the same order). Nothing
 differs, no op is exempt: measured on the AVX512 CPU that made the stored data, 86 + 85 + 86 of 86 + 85 + 86
 recorded tensors equal (the data file keeps every transformer tensor of the first case and every
-``stored_every``-th of the others, so the comparisons of the later cases cover those). A learning rate 1e-6 relative off changes 73, 75 and 27 of them; one weight one ulp off 67,
-58 and 10.
+``stored_every``-th of the others, so the comparisons of the later cases cover those). A learning rate 1e-6
+relative off changes 73, 75 and 27 of them; one weight one ulp off 67, 58 and 10.
 
 Always (CI, without the harness): the group's parameter order, and the losses, norms and weights within bounds of
 the stored numbers, from fp32's unit roundoff u = 2^-24 rather than from one CPU's kernels (another instruction set
