@@ -14,11 +14,11 @@ from torch import Tensor, nn
 from library.families.flux.layers import Modulation, QKNorm, SelfAttention, attention, split_heads, text_mask
 
 
-def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return (1 + scale) * x + shift
 
 
-def _mlp(hidden_size: int, mlp_hidden_dim: int) -> nn.Sequential:
+def mlp(hidden_size: int, mlp_hidden_dim: int) -> nn.Sequential:
     """``{img,txt}_mlp``: ``.0`` Linear up, ``.1`` tanh GELU, ``.2`` Linear down."""
     return nn.Sequential(
         nn.Linear(hidden_size, mlp_hidden_dim, bias=True),
@@ -39,20 +39,20 @@ class DoubleStreamBlock(nn.Module):
         self.img_norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.img_attn = SelfAttention(hidden_size, num_heads, qkv_bias)
         self.img_norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.img_mlp = _mlp(hidden_size, mlp_hidden_dim)
+        self.img_mlp = mlp(hidden_size, mlp_hidden_dim)
         self.txt_mod = Modulation(hidden_size, double=True)
         self.txt_norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.txt_attn = SelfAttention(hidden_size, num_heads, qkv_bias)
         self.txt_norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.txt_mlp = _mlp(hidden_size, mlp_hidden_dim)
+        self.txt_mlp = mlp(hidden_size, mlp_hidden_dim)
 
     def forward(
         self, img: Tensor, txt: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         img_shift1, img_scale1, img_gate1, img_shift2, img_scale2, img_gate2 = self.img_mod(vec)
         txt_shift1, txt_scale1, txt_gate1, txt_shift2, txt_scale2, txt_gate2 = self.txt_mod(vec)
-        img_q, img_k, img_v = self.img_attn.project(_modulate(self.img_norm1(img), img_shift1, img_scale1))
-        txt_q, txt_k, txt_v = self.txt_attn.project(_modulate(self.txt_norm1(txt), txt_shift1, txt_scale1))
+        img_q, img_k, img_v = self.img_attn.project(modulate(self.img_norm1(img), img_shift1, img_scale1))
+        txt_q, txt_k, txt_v = self.txt_attn.project(modulate(self.txt_norm1(txt), txt_shift1, txt_scale1))
         q = torch.cat((txt_q, img_q), dim=2)
         k = torch.cat((txt_k, img_k), dim=2)
         v = torch.cat((txt_v, img_v), dim=2)
@@ -60,9 +60,9 @@ class DoubleStreamBlock(nn.Module):
         txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1]:]
 
         img = img + img_gate1 * self.img_attn.proj(img_attn)
-        img = img + img_gate2 * self.img_mlp(_modulate(self.img_norm2(img), img_shift2, img_scale2))
+        img = img + img_gate2 * self.img_mlp(modulate(self.img_norm2(img), img_shift2, img_scale2))
         txt = txt + txt_gate1 * self.txt_attn.proj(txt_attn)
-        txt = txt + txt_gate2 * self.txt_mlp(_modulate(self.txt_norm2(txt), txt_shift2, txt_scale2))
+        txt = txt + txt_gate2 * self.txt_mlp(modulate(self.txt_norm2(txt), txt_shift2, txt_scale2))
         return img, txt
 
 
@@ -85,7 +85,7 @@ class SingleStreamBlock(nn.Module):
     def forward(self, x: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask: Tensor | None = None) -> Tensor:
         shift, scale, gate = self.modulation(vec)
         qkv, mlp = torch.split(
-            self.linear1(_modulate(self.pre_norm(x), shift, scale)), [3 * self.hidden_size, self.mlp_hidden_dim], -1
+            self.linear1(modulate(self.pre_norm(x), shift, scale)), [3 * self.hidden_size, self.mlp_hidden_dim], -1
         )
         q, k, v = split_heads(qkv, self.num_heads)
         q, k = self.norm(q, k, v)

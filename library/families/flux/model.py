@@ -48,7 +48,68 @@ def _move(value, device: torch.device | str):
     return value
 
 
-class FluxTransformer(nn.Module):
+class BlockStack(nn.Module):
+    """What the FLUX.1 and Chroma transformers share (``FluxTransformer``, ``chroma.ChromaTransformer``): the two
+    stacks ``double_blocks`` / ``single_blocks`` that a subclass builds, every block run through ``run_block`` (hooks,
+    gradient checkpointing, CPU offload of checkpointed activations), and ``img_in``, whose device and dtype are the
+    model's. Block swapping and the trainer treat both alike through it."""
+
+    double_blocks: nn.ModuleList
+    single_blocks: nn.ModuleList
+    img_in: nn.Linear
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gradient_checkpointing = False
+        self.cpu_offload_checkpointing = False
+        self.block_hooks: BlockHooks | None = None
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self.img_in.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.img_in.weight.dtype
+
+    def enable_gradient_checkpointing(self, cpu_offload: bool = False) -> None:
+        """Recompute each block (and the FLUX.1 embedders) in backward (``use_reentrant=False``). ``cpu_offload``
+        keeps the saved block inputs/outputs on the CPU (upstream ``--cpu_offload_checkpointing``)."""
+        self.gradient_checkpointing = True
+        self.cpu_offload_checkpointing = cpu_offload
+
+    def disable_gradient_checkpointing(self) -> None:
+        self.gradient_checkpointing = False
+        self.cpu_offload_checkpointing = False
+
+    def _checkpointing(self) -> bool:
+        return self.training and self.gradient_checkpointing
+
+    def block(self, stack: str, index: int) -> nn.Module:
+        return (self.double_blocks if stack == "double" else self.single_blocks)[index]
+
+    def run_block(self, stack: str, index: int, *inputs):
+        """Run block ``index`` of ``stack`` on ``inputs``: the single place the block loop goes through (hooks,
+        checkpointing, CPU offload of checkpointed activations)."""
+        if self.block_hooks is not None:
+            self.block_hooks.before_block(stack, index)
+        block = self.block(stack, index)
+        if not self._checkpointing():
+            out = block(*inputs)
+        elif self.cpu_offload_checkpointing:
+            out = checkpoint(self._offloaded_call, block, *inputs, use_reentrant=False)
+        else:
+            out = checkpoint(block, *inputs, use_reentrant=False)
+        if self.block_hooks is not None:
+            self.block_hooks.after_block(stack, index)
+        return out
+
+    def _offloaded_call(self, block: nn.Module, *inputs):
+        """Inputs to the compute device, outputs to the CPU (upstream's ``to_cuda``/``to_cpu`` wrapper)."""
+        return _move(block(*_move(inputs, self.compute_device)), "cpu")
+
+
+class FluxTransformer(BlockStack):
     """Transformer for flow matching on packed latent sequences (upstream ``flux_models.Flux``)."""
 
     def __init__(self, params: FluxParams):
@@ -74,63 +135,16 @@ class FluxTransformer(nn.Module):
             for _ in range(params.depth_single_blocks)
         )
         self.final_layer = LastLayer(params.hidden_size, self.out_channels)
-        self.gradient_checkpointing = False
-        self.cpu_offload_checkpointing = False
-        self.block_hooks: BlockHooks | None = None
 
     @property
     def is_schnell(self) -> bool:
         """True for a model without the guidance embedder (FLUX.1-schnell)."""
         return not self.params.guidance_embed
 
-    @property
-    def compute_device(self) -> torch.device:
-        return self.img_in.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.img_in.weight.dtype
-
-    def enable_gradient_checkpointing(self, cpu_offload: bool = False) -> None:
-        """Recompute each block (and the three embedders) in backward (``use_reentrant=False``). ``cpu_offload``
-        keeps the saved block inputs/outputs on the CPU (upstream ``--cpu_offload_checkpointing``)."""
-        self.gradient_checkpointing = True
-        self.cpu_offload_checkpointing = cpu_offload
-
-    def disable_gradient_checkpointing(self) -> None:
-        self.gradient_checkpointing = False
-        self.cpu_offload_checkpointing = False
-
-    def _checkpointing(self) -> bool:
-        return self.training and self.gradient_checkpointing
-
     def _embed(self, embedder: nn.Module, x: Tensor) -> Tensor:
         if self._checkpointing():
             return checkpoint(embedder, x, use_reentrant=False)
         return embedder(x)
-
-    def block(self, stack: str, index: int) -> nn.Module:
-        return (self.double_blocks if stack == "double" else self.single_blocks)[index]
-
-    def run_block(self, stack: str, index: int, *inputs):
-        """Run block ``index`` of ``stack`` on ``inputs``: the single place the block loop goes through (hooks,
-        checkpointing, CPU offload of checkpointed activations)."""
-        if self.block_hooks is not None:
-            self.block_hooks.before_block(stack, index)
-        block = self.block(stack, index)
-        if not self._checkpointing():
-            out = block(*inputs)
-        elif self.cpu_offload_checkpointing:
-            out = checkpoint(self._offloaded_call, block, *inputs, use_reentrant=False)
-        else:
-            out = checkpoint(block, *inputs, use_reentrant=False)
-        if self.block_hooks is not None:
-            self.block_hooks.after_block(stack, index)
-        return out
-
-    def _offloaded_call(self, block: nn.Module, *inputs):
-        """Inputs to the compute device, outputs to the CPU (upstream's ``to_cuda``/``to_cpu`` wrapper)."""
-        return _move(block(*_move(inputs, self.compute_device)), "cpu")
 
     def conditioning(self, timesteps: Tensor, y: Tensor, guidance: Tensor | None) -> Tensor:
         """The modulation vector: time, guidance (dev) and pooled CLIP-L embeddings summed."""
