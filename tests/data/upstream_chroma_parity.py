@@ -16,11 +16,19 @@ What is recorded (upstream 48d368fa ``library/chroma_models.py`` called, nothing
    from ``get_mod_vectors`` under ``no_grad``, then ``requires_grad_``, passed to ``forward``), of
    ``(pred * cotangent).sum()`` with a seeded cotangent, on the ``padded`` mask: the gradients of ``GRAD_WEIGHTS``
    and of the mod vectors.
+5. A LoRA on that transformer as ``flux_train_network.py --model_type chroma --network_train_unet_only
+   --network_dim 4 --network_alpha 2`` makes it: upstream's ``networks/lora_flux.py`` ``create_network(1.0, 4, 2,
+   None, [flux_utils.dummy_clip_l(), None], chroma, neuron_dropout=None)`` (the T5 slot is skipped without
+   ``train_t5xxl``: nothing is read from it) under ``torch.manual_seed(3)``, ``apply_to(..., apply_text_encoder=False,
+   apply_unet=True)`` (which registers the modules), every ``lora_up`` then set to ``LORA_UP_STD * randn`` in key
+   order (upstream inits them to zero), all LoRA weights rounded to bf16 values; its state dict (upstream's key
+   names, ``lora.`` + key) and, eval, the ``LORA_MASK`` prediction at each of ``LORA_MULTIPLIERS``
+   (``set_multiplier``).
 
     cd "$PEER_DIR/sd-scripts" && PYTHONPATH="$PEER_DIR/shim:." "$PEER_DIR/venv/bin/python" \
         <this repository>/tests/data/upstream_chroma_parity.py [--upstream_dir DIR] [--out_dir DIR]
 
-``--upstream_dir`` defaults to ``$PEER_DIR/sd-scripts`` (else the current directory). A second of CPU.
+``--upstream_dir`` defaults to ``$PEER_DIR/sd-scripts`` (else the current directory). A few seconds of CPU.
 """
 
 from __future__ import annotations
@@ -47,6 +55,9 @@ GRAD_WEIGHTS = ["img_in.weight", "txt_in.weight", "double_blocks.0.img_attn.qkv.
                 "double_blocks.0.txt_attn.norm.key_norm.scale", "double_blocks.1.txt_mlp.0.weight",
                 "double_blocks.1.img_attn.proj.bias", "single_blocks.0.linear1.weight",
                 "single_blocks.1.linear2.weight", "single_blocks.1.norm.query_norm.scale", "final_layer.linear.weight"]
+LORA_DIM, LORA_ALPHA, LORA_UP_STD = 4, 2.0, 0.05
+LORA_MASK = "padded"
+LORA_MULTIPLIERS = [1.0, 0.5]
 
 
 def build_model():
@@ -115,6 +126,33 @@ def gradients(model, ins: dict) -> dict:
     return out
 
 
+def lora_outputs(model, ins: dict) -> dict:
+    """Item 5: upstream's LoRA network on ``model`` (applied in place: run after everything else)."""
+    import torch
+
+    from library import flux_utils
+    from networks import lora_flux
+
+    torch.manual_seed(3)
+    text_encoders = [flux_utils.dummy_clip_l(), None]
+    network = lora_flux.create_network(1.0, LORA_DIM, LORA_ALPHA, None, text_encoders, model, neuron_dropout=None)
+    network.apply_to(text_encoders, model, apply_text_encoder=False, apply_unet=True)  # registers the modules
+    state = network.state_dict()
+    gen = torch.Generator().manual_seed(4)
+    for key, value in sorted(state.items()):
+        if key.endswith("lora_up.weight"):
+            state[key] = LORA_UP_STD * torch.randn(value.shape, generator=gen)
+    network.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in state.items()}, strict=True)
+    model.eval()
+    network.eval()
+    out = {f"lora.{k}": v for k, v in network.state_dict().items()}
+    with torch.no_grad():
+        for multiplier in LORA_MULTIPLIERS:
+            network.set_multiplier(multiplier)
+            out[f"lora_pred_{multiplier}"] = forward(model, ins, ins[f"mask_{LORA_MASK}"])
+    return out, len(network.text_encoder_loras), len(network.unet_loras)
+
+
 def main() -> None:
     peer = os.environ.get("PEER_DIR")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -132,15 +170,22 @@ def main() -> None:
     ins = inputs()
     tensors = {**ins, **outputs(model, ins), **gradients(model, ins)}
     tensors.update({f"chroma.{k}": v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+    model.zero_grad(set_to_none=True)
+    lora, te_modules, unet_modules = lora_outputs(model, ins)
+    tensors.update({k: v.to(torch.bfloat16) if k.endswith(".weight") else v for k, v in lora.items()})
     tensors = {k: v.detach().clone().contiguous() for k, v in tensors.items()}
     out_dir = Path(cli.out_dir)
     save_file(tensors, str(out_dir / "upstream_chroma_parity.safetensors"))
     facts = {
         "source": f"kohya-ss/sd-scripts {UPSTREAM_COMMIT}: chroma_models.Chroma (get_mod_vectors, forward, one "
-        "backward) called on fixed inputs by tests/data/upstream_chroma_parity.py",
+        "backward) and networks/lora_flux.py create_network on it called on fixed inputs by "
+        "tests/data/upstream_chroma_parity.py",
         "chroma_params": CHROMA_PARAMS, "latent_shape": list(LATENT_SHAPE), "t5_length": T5_LENGTH,
         "timesteps": TIMESTEPS, "guidance": GUIDANCE, "masks": MASKS, "grad_mask": GRAD_MASK,
         "grad_weights": GRAD_WEIGHTS, "torch": torch.__version__,
+        "lora": {"network_dim": LORA_DIM, "network_alpha": LORA_ALPHA, "up_std": LORA_UP_STD, "mask": LORA_MASK,
+                 "multipliers": LORA_MULTIPLIERS, "text_encoder_modules": te_modules,
+                 "unet_modules": unet_modules},
     }
     (out_dir / "upstream_chroma_parity.json").write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
     size = (out_dir / "upstream_chroma_parity.safetensors").stat().st_size

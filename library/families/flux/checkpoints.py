@@ -5,10 +5,11 @@ possibly under ``model.diffusion_model.``) or a diffusers folder / shard set, as
 Detection as upstream's: diffusers by ``transformer_blocks.0.attn.add_k_proj.bias``, schnell by the absence of both
 ``guidance_in.in_layer.bias`` and ``time_text_embed.guidance_embedder.linear_1.bias``, block counts from the keys.
 Widths are BFL's (``params.DEV``) unless the file's metadata carries our config (``CONFIG_METADATA_KEY``, written for
-the tiny and random built-ins, whose widths differ). A Chroma file (``distilled_guidance_layer.*``) is recognised
-and refused: Chroma's transformer is another architecture. Tensors load as stored unless ``dtype`` is given (fp8
-files stay fp8, as upstream's ``--fp8_base`` expects); missing or misshaped tensors are a ``UserError`` naming the
-file and what was expected.
+the tiny and random built-ins, whose widths differ). A Chroma file (``distilled_guidance_layer.*``, upstream
+``load_flow_model(model_type="chroma")``) loads as ``chroma.ChromaTransformer`` with upstream's ``chroma_params``
+and the file's block counts, only under ``--model_type chroma``, as a FLUX.1 file only without it. Tensors load as
+stored unless ``dtype`` is given (fp8 files stay fp8, as upstream's ``--fp8_base`` expects); missing or misshaped
+tensors are a ``UserError`` naming the file and what was expected.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from library.base.errors import UserError
+from library.families.flux.chroma import ChromaTransformer
+from library.families.flux.chroma_layers import CHROMA, ChromaParams
 from library.families.flux.diffusers_keys import bfl_to_diffusers, count_blocks, diffusers_to_bfl
 from library.families.flux.model import FluxTransformer
 from library.families.flux.params import DEV, FluxParams
-from library.families.flux.stored_configs import transformer_params
+from library.families.flux.stored_configs import stored_chroma_params, transformer_params
 from library.families.model_files import (
     CONFIG_METADATA_KEY,
     StateDict,
@@ -52,6 +55,7 @@ class CheckpointInfo:
     is_schnell: bool
     depth: int
     depth_single_blocks: int
+    is_chroma: bool = False
 
 
 def transformer_files(path: Path) -> list[Path]:
@@ -95,23 +99,22 @@ def strip_prefix(state: StateDict) -> StateDict:
 
 
 def inspect(state: StateDict, source: Path) -> CheckpointInfo:
-    """Diffusers or BFL, dev or schnell, block counts; a ``UserError`` for Chroma or anything else."""
+    """Diffusers or BFL, dev or schnell, or Chroma (upstream: not schnell), block counts; a ``UserError`` for
+    anything else."""
     keys = set(state)
-    if any(key.startswith(CHROMA_MARK) for key in keys):
-        raise UserError(f"{source}: a Chroma checkpoint (distilled_guidance_layer.*); Chroma (--model_type chroma) "
-                        f"is not supported here; expected {EXPECTED}")
+    is_chroma = any(key.startswith(CHROMA_MARK) for key in keys)
     is_diffusers = DIFFUSERS_MARK in keys
     if is_diffusers:
         depth = count_blocks(keys, "transformer_blocks.", ".attn.add_k_proj.bias")
         single = count_blocks(keys, "single_transformer_blocks.", ".attn.to_k.bias")
     else:
         depth = count_blocks(keys, "double_blocks.", ".img_attn.proj.bias")
-        single = count_blocks(keys, "single_blocks.", ".modulation.lin.bias")
+        single = count_blocks(keys, "single_blocks.", ".linear2.bias")
     if not depth or not single or not ({"img_in.weight", "x_embedder.weight"} & keys):
         example = sorted(keys)[0] if keys else "no tensors"
         raise UserError(f"{source}: not {EXPECTED} (found e.g. {example!r})")
-    is_schnell = not any(mark in keys for mark in GUIDANCE_MARKS)
-    return CheckpointInfo(is_diffusers, is_schnell, depth, single)
+    is_schnell = not is_chroma and not any(mark in keys for mark in GUIDANCE_MARKS)
+    return CheckpointInfo(is_diffusers, is_schnell, depth, single, is_chroma)
 
 
 def params_for(info: CheckpointInfo, metadata: dict[str, str], source: Path, state: StateDict) -> FluxParams:
@@ -142,14 +145,26 @@ def fill(module: torch.nn.Module, state: StateDict, source: Path, what: str, dty
 
 
 def load_transformer(path: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu",
-                     mmap: bool = True) -> FluxTransformer:
-    """A FLUX.1 transformer from a BFL file or a diffusers folder/shards (upstream ``load_flow_model``)."""
+                     mmap: bool = True, model_type: str = "flux") -> FluxTransformer | ChromaTransformer:
+    """A FLUX.1 transformer from a BFL file or a diffusers folder/shards, or with ``model_type`` "chroma" a Chroma
+    transformer from its single file (upstream ``load_flow_model``); a ``UserError`` naming ``--model_type`` when the
+    file is the other kind."""
     import torch
 
     path = Path(path)
     state, metadata = read_files(transformer_files(path), device=device, mmap=mmap)
     state = strip_prefix(state)
     info = inspect(state, path)
+    if info.is_chroma != (model_type == "chroma"):
+        raise UserError(f"{path}: a Chroma checkpoint (distilled_guidance_layer.*); train it with --model_type chroma "
+                        "--apply_t5_attn_mask" if info.is_chroma else
+                        f"{path}: a FLUX.1 checkpoint, not Chroma's (it has no distilled_guidance_layer.*); drop "
+                        "--model_type chroma, or give a Chroma checkpoint")
+    if info.is_chroma:
+        with torch.device("meta"):
+            chroma = ChromaTransformer(chroma_params_for(info, metadata, path))
+        fill(chroma, state, path, "Chroma transformer", dtype)
+        return chroma
     if info.is_diffusers:
         try:
             state = diffusers_to_bfl(state)
@@ -161,7 +176,14 @@ def load_transformer(path: str | Path, *, dtype: torch.dtype | None = None, devi
     return model
 
 
-def _metadata(model: FluxTransformer) -> dict[str, str]:
+def chroma_params_for(info: CheckpointInfo, metadata: dict[str, str], source: Path) -> ChromaParams:
+    """Upstream's ``chroma_params`` with the file's block counts, or the config our own files carry."""
+    stored = metadata.get(CONFIG_METADATA_KEY)
+    base = CHROMA if stored is None else stored_chroma_params(stored, source)
+    return replace(base, depth=info.depth, depth_single_blocks=info.depth_single_blocks)
+
+
+def _metadata(model: FluxTransformer | ChromaTransformer) -> dict[str, str]:
     return {CONFIG_METADATA_KEY: json.dumps(asdict(model.params))}
 
 
@@ -169,7 +191,7 @@ def _contiguous(state: StateDict) -> StateDict:
     return {k: v.detach().contiguous() for k, v in state.items()}
 
 
-def save_transformer(model: FluxTransformer, path: Path, *, prefix: str = "") -> None:
+def save_transformer(model: FluxTransformer | ChromaTransformer, path: Path, *, prefix: str = "") -> None:
     """Write ``model`` as a BFL single file (``prefix`` ``model.diffusion_model.`` gives the ComfyUI form)."""
     from safetensors.torch import save_file
 

@@ -69,6 +69,12 @@ class ChromaTransformer(BlockStack):
         )
         self.final_layer = LastLayer(params.hidden_size, self.out_channels)
 
+    @property
+    def is_schnell(self) -> bool:
+        """Chroma is trained as dev is (upstream's ``load_flow_model`` answers "not schnell": guidance input, 512 T5
+        tokens by default)."""
+        return False
+
     def get_mod_vectors(self, timesteps: Tensor, guidance: Tensor) -> Tensor:
         """Every modulation vector of the model for ``timesteps`` and ``guidance`` (b,): (b, modulation_count,
         hidden), in ``split_modulations``' order."""
@@ -122,3 +128,21 @@ class ChromaTransformer(BlockStack):
         for index in range(len(self.single_blocks)):
             x = self.run_block("single", index, x, pe, mods.single[index], lengths)
         return self.final_layer(x[:, :img_len].to(self.compute_device), mods.final)
+
+
+class NoClip(nn.Module):
+    """What Chroma has in CLIP-L's place (upstream ``flux_utils.dummy_clip_l``): a text encoder without weights
+    whose pooled output is zeros (batch, 1), which ``ChromaTransformer`` does not read; LoRA finds no layer in it,
+    so no CLIP-L LoRA is made, as upstream trains none for Chroma."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # one frozen zero, as upstream's dummy has: the device and dtype it answers in, and what code that reads a
+        # text encoder's first parameter (its dtype, the text cache's identity) finds
+        self.anchor = nn.Parameter(torch.zeros(1), requires_grad=False)
+
+    def forward(self, input_ids: Tensor, *args, **kwargs) -> dict[str, Tensor]:
+        return {"pooler_output": self.anchor.new_zeros(input_ids.shape[0], 1)}
+
+    def gradient_checkpointing_enable(self) -> None:
+        """``--gradient_checkpointing``: nothing to recompute (the switch of transformers' text encoders)."""

@@ -69,7 +69,8 @@ class FluxConfig(TextOutputCaching):
         3.0, "shift of the flow-matching schedule, sigma = shift * t / (1 + (shift - 1) * t): used by "
         "--timestep_sampling sigma and shift (above 1 trains more at high noise)")
     model_type: str = flag(
-        "flux", "the transformer's kind: flux (FLUX.1 dev or schnell) or chroma (refused here for now)",
+        "flux", "the transformer's kind: flux (FLUX.1 dev or schnell) or chroma (Chroma: no CLIP-L, needs "
+        "--apply_t5_attn_mask; train it with --guidance_scale 0.0)",
         choices=("flux", "chroma"))
     weighting_scheme: str = flag(
         "uniform", "with --timestep_sampling sigma, how the schedule index is drawn: logit_normal (sigmoid of a "
@@ -108,9 +109,8 @@ class FluxConfig(TextOutputCaching):
         return SPLIT_MODE_BLOCKS if self.split_mode else 0
 
 
-_CHROMA = ("--model_type chroma: Chroma (a FLUX.1-schnell derivative without CLIP-L that needs "
-           "--apply_t5_attn_mask) is not supported here yet; train FLUX.1 dev or schnell with --model_type flux, or "
-           "train Chroma with upstream sd-scripts' flux_train_network.py --model_type chroma --apply_t5_attn_mask")
+_CHROMA = ("--model_type chroma without --apply_t5_attn_mask: Chroma attends to T5's real tokens only (upstream "
+           "asserts the flag); add --apply_t5_attn_mask")
 _CONTROLNET = ("--controlnet_model_name_or_path: training a ControlNet is not LoRA training, and this trainer "
                "trains LoRAs only; remove the flag, or train the ControlNet with upstream sd-scripts' "
                "flux_train_control_net.py")
@@ -151,7 +151,7 @@ def _refusals(cfg: TrainConfig) -> list[str]:
     problems = []
     if f.controlnet_model_name_or_path:
         problems.append(_CONTROLNET)
-    if f.model_type == "chroma":
+    if f.model_type == "chroma" and not f.apply_t5_attn_mask:
         problems.append(_CHROMA)
     lora = cfg.family.trained == "network"
     if lora and f.caches_text_encoder_outputs and not cfg.network.network_train_unet_only:
@@ -204,6 +204,8 @@ def _model_file_problems(cfg: TrainConfig) -> list[str]:
     f = cfg.family_config
     wanted = {"clip_l": "clip_l.safetensors", "t5xxl": "t5xxl_fp16.safetensors (or its fp8 version)",
               "ae": "ae.safetensors"}
+    if f.model_type == "chroma":  # Chroma has no CLIP-L
+        del wanted["clip_l"]
     return [f"--{name} is required with the single-file transformer {path} (it holds no {name}): give the path of "
             f"{file}" for name, file in wanted.items() if not getattr(f, name)]
 
@@ -219,7 +221,8 @@ def _memory_problems(cfg: TrainConfig) -> list[str]:
 
 
 def _warn(cfg: TrainConfig) -> None:
-    """The deprecated ``--split_mode`` (the shared flags without effect are warned about from ``IGNORED_FLAGS``)."""
+    """The deprecated ``--split_mode`` and a ``--clip_l`` Chroma does not read (the shared flags without effect are
+    warned about from ``IGNORED_FLAGS``)."""
     f = cfg.family_config
     if f.split_mode and f.blocks_to_swap is not None:
         log.warning("--split_mode is deprecated and ignored because --blocks_to_swap %d is given; remove it",
@@ -227,6 +230,8 @@ def _warn(cfg: TrainConfig) -> None:
     elif f.split_mode:
         log.warning("--split_mode is deprecated: it now means --blocks_to_swap %d (as in sd-scripts); use "
                     "--blocks_to_swap instead", SPLIT_MODE_BLOCKS)
+    if f.model_type == "chroma" and f.clip_l:
+        log.warning("--clip_l is not read: Chroma has no CLIP-L (as in sd-scripts, which uses a dummy in its place)")
 
 
 def flux_script_problems(cfg: TrainConfig) -> list[str]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from library.families.base import ModelFamily, ModelIds
+from library.families.flux.chroma import ChromaTransformer
 from library.families.flux.flow import (
     FlowConfig,
     image_ids,
@@ -33,6 +34,7 @@ from library.families.flux.text_encoding import FluxCond, encode_prompts
 log = logging.getLogger(__name__)
 
 FLUX_IMPLEMENTATION = "https://github.com/black-forest-labs/flux"
+CHROMA_IMPLEMENTATION = "https://huggingface.co/lodestones/Chroma"  # sai_model_spec.IMPL_CHROMA
 MIXED_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -55,7 +57,11 @@ class FluxFamily(ModelFamily):
 
     def model_ids(self, v2: bool, v_parameterization: bool, model: Any = None) -> ModelIds:
         """``ss_base_model_version`` flux1; ModelSpec ``flux-1-dev/lora`` or ``flux-1-schnell/lora``, and no
-        prediction type (upstream ``sai_model_spec.build_metadata_dataclass`` sets none for a "flux" model)."""
+        prediction type (upstream ``sai_model_spec.build_metadata_dataclass`` sets none for a "flux" model); for
+        Chroma ``chroma`` (``flux_utils.MODEL_VERSION_CHROMA``), ``chroma/lora`` and Chroma's implementation
+        (``sai_model_spec.ARCH_FLUX_1_CHROMA``, ``IMPL_CHROMA``)."""
+        if model is not None and isinstance(model.unet, ChromaTransformer):
+            return ModelIds("chroma", "chroma/lora", CHROMA_IMPLEMENTATION, None)
         variant = "schnell" if model is not None and model.is_schnell else "dev"
         return ModelIds("flux1", f"flux-1-{variant}/lora", FLUX_IMPLEMENTATION, None)
 
@@ -74,7 +80,7 @@ class FluxFamily(ModelFamily):
         from library.families.flux.loading import load_flux_model
 
         model = load_flux_model(cfg.pretrained_model_name_or_path, clip_l=section.clip_l, t5xxl=section.t5xxl,
-                                ae=section.ae, device=file_device)
+                                ae=section.ae, device=file_device, model_type=section.model_type)
         model.t5_max_length = section.t5xxl_max_token_length
         model.apply_t5_attn_mask = section.apply_t5_attn_mask
         model.guidance_scale = section.guidance_scale

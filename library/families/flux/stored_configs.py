@@ -4,10 +4,10 @@ model is built from them: a hand-edited or damaged entry is a ``UserError`` nami
 allowed, never a ``TypeError`` / ``KeyError`` / ``RuntimeError`` from the constructor.
 
 The transformer's entry is a ``FluxParams`` (every field, nothing else, each of its type and within bounds, then
-``FluxParams.check`` and the shapes of the file's tensors). A part's entry (CLIP-L, T5-XXL: a transformers config;
-the AE: a diffusers ``AutoencoderKL`` config) may hold only the fields its config class knows, each of the type of
-the bundled real config's value (or the class default), integers 0 to ``MAX_INT``; the shapes are then checked by
-``checkpoints.fill``.
+``FluxParams.check`` and the shapes of the file's tensors), or for Chroma a ``ChromaParams`` (the same rules). A
+part's entry (CLIP-L, T5-XXL: a transformers config; the AE: a diffusers ``AutoencoderKL`` config) may hold only the
+fields its config class knows, each of the type of the bundled real config's value (or the class default), integers
+0 to ``MAX_INT``; the shapes are then checked by ``checkpoints.fill``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 from library.base.bounded import load_json
 from library.base.errors import UserError
+from library.families.flux.chroma_layers import ChromaParams
 from library.families.flux.params import FluxParams
 from library.families.flux.parts import REAL_CONFIGS, TINY_CONFIGS, part_config
 from library.families.model_files import CONFIG_METADATA_KEY, StateDict
@@ -62,10 +63,10 @@ def _int_field(source: Path, name: str, value: Any, low: int = 1) -> int:
     return value
 
 
-def transformer_params(stored: str, source: Path, state: StateDict) -> FluxParams:
-    """The ``FluxParams`` in ``stored`` (a transformer file's metadata entry), checked against ``state``."""
-    config = _parse(stored, source)
-    names = [field.name for field in fields(FluxParams)]
+def _transformer_fields(config: dict[str, Any], cls: type, source: Path) -> dict[str, Any]:
+    """The values of ``cls``'s fields (``FluxParams`` or ``ChromaParams``) in ``config``: every field, nothing
+    else, each of its type and within bounds."""
+    names = [field.name for field in fields(cls)]
     unknown = sorted(set(config) - set(names))
     missing = [name for name in names if name not in config]
     if unknown or missing:
@@ -87,11 +88,26 @@ def transformer_params(stored: str, source: Path, state: StateDict) -> FluxParam
             values[name] = tuple(_int_field(source, f"axes_dim[{i}]", dim) for i, dim in enumerate(axes))
         else:
             _int_field(source, name, values[name])
-    params = FluxParams(**values)
+    return values
+
+
+def _checked(params: Any, source: Path) -> Any:
     try:
         params.check()
     except ValueError as exc:
         raise _refuse(source, str(exc)) from None
+    return params
+
+
+def stored_chroma_params(stored: str, source: Path) -> ChromaParams:
+    """The ``ChromaParams`` in ``stored`` (a Chroma transformer file's metadata entry); the shapes are
+    ``checkpoints.fill``'s to check."""
+    return _checked(ChromaParams(**_transformer_fields(_parse(stored, source), ChromaParams, source)), source)
+
+
+def transformer_params(stored: str, source: Path, state: StateDict) -> FluxParams:
+    """The ``FluxParams`` in ``stored`` (a transformer file's metadata entry), checked against ``state``."""
+    params = _checked(FluxParams(**_transformer_fields(_parse(stored, source), FluxParams, source)), source)
     for key, shape_of in SHAPES.items():
         if key in state and tuple(state[key].shape) != shape_of(params):
             raise _refuse(source, f"its widths give tensor {key} the shape {shape_of(params)}, the file holds "

@@ -282,7 +282,7 @@ REFUSALS = [
     ("flux_train.py", ["--fused_optimizer_groups", "-1"], "--fused_optimizer_groups -1: give a number of groups > 0"),
     ("flux_train.py", ["--blockwise_fused_optimizers", "--fused_backward_pass"],
      "--fused_backward_pass and --blockwise_fused_optimizers: each steps the weights inside backward; give one"),
-    ("flux_train.py", ["--model_type", "chroma"], "--model_type chroma: Chroma"),
+    ("flux_train.py", ["--model_type", "chroma"], "--model_type chroma without --apply_t5_attn_mask"),
 ]
 
 

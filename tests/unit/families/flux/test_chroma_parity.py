@@ -6,27 +6,38 @@ Reference: ``tests/data/upstream_chroma_parity.safetensors`` / ``.json``, writte
 blocks, a 2-layer approximator, seeded bf16-valued weights (random RMSNorm scales), two images, 12 T5 positions and
 three masks (both captions padded, one caption filling the length, no padding), the approximator's output, the fp32
 predictions (eval) and one training-mode backward (mod vectors passed in as upstream's trainer does) with the
-gradients of ten named weights and of the mod vectors.
+gradients of ten named weights and of the mod vectors; and upstream's own ``networks/lora_flux.py`` network on that
+transformer (rank 4, alpha 2, transformer only, as ``flux_train_network.py --model_type chroma
+--network_train_unet_only`` builds it with the dummy CLIP-L: 8 modules per double block, 2 per single block) with
+seeded non-zero ``lora_up`` weights, its state dict and the ``padded`` prediction at multipliers 1 and 0.5. Our
+network is built as our trainer builds it (``network_setup.build_network`` with ``--network_module
+networks.lora_flux`` on a bundle of our transformer with upstream's weights, ``NoClip`` and tiny T5 / AE) and loads
+upstream's LoRA as ``--network_weights``.
 
 Tolerance: 1e-5 of the largest magnitude (``FP32_RTOL``), as ``test_upstream_parity.py`` argues for fp32 (kernels
 or summation order of another CPU or torch move results by a few ulps per op; a real difference, e.g. the padding
 rule or one perturbed weight, moves them by 1e-3 or more, checked below). Measured when written (same torch on both
-sides, same CPU): mod vectors, all three predictions and every gradient bit-identical. Our own checkpointed runs
-(plain and CPU-offload) run the same ops as the plain run and must be bit-identical to it.
+sides, same CPU): mod vectors, all three predictions, every gradient and both LoRA predictions bit-identical. Our
+own checkpointed runs (plain and CPU-offload) run the same ops as the plain run and must be bit-identical to it.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from library.config import NetworkConfig
 from library.families.flux import chroma
-from library.families.flux.chroma import ChromaTransformer
+from library.families.flux.chroma import ChromaTransformer, NoClip
 from library.families.flux.chroma_layers import ChromaParams
+from library.families.flux.parts import TINY_CONFIGS, assemble, build_ae, build_t5xxl, part_config
+from library.families.registry import model_family
+from library.train.network_setup import build_network
 
 DATA = Path(__file__).resolve().parents[3] / "data"
 FACTS = json.loads((DATA / "upstream_chroma_parity.json").read_text())
@@ -179,3 +190,77 @@ def test_missing_mask_or_guidance_is_refused(model) -> None:
     with pytest.raises(ValueError, match="guidance"):
         model(REF["img"], REF["img_ids"], REF["txt"], REF["txt_ids"], REF["timesteps"], None, None,
               REF["mask_padded"])
+
+
+def upstream_lora() -> dict[str, torch.Tensor]:
+    """Upstream's LoRA state dict, its own key names and stored dtypes (bf16 weights, fp32 alphas)."""
+    return {k.removeprefix("lora."): v for k, v in REF.items() if k.startswith("lora.")}
+
+
+def lora_run(weights_file: Path):
+    """Our trainer's network (``build_network``, fp32) on our transformer with upstream's weights, loading
+    ``weights_file`` as ``--network_weights``; returns the bundle and the network, both in eval mode."""
+    torch.manual_seed(0)
+    t5xxl, ae = build_t5xxl(part_config(TINY_CONFIGS, "t5xxl")), build_ae(part_config(TINY_CONFIGS, "ae"))
+    bundle = assemble(build(), NoClip(), t5xxl, ae, name="upstream-chroma")
+    lora = FACTS["lora"]
+    cfg = NetworkConfig(network_module="networks.lora_flux", network_dim=lora["network_dim"],
+                        network_alpha=lora["network_alpha"], network_train_unet_only=True,
+                        network_weights=str(weights_file))
+    network, train_te = build_network(cfg, bundle, SimpleNamespace(network_dtype=torch.float32),
+                                      torch.device("cpu"), model_family("flux"))
+    assert train_te is False
+    bundle.unet.eval()
+    network.eval()
+    return bundle, network
+
+
+@pytest.fixture(scope="module")
+def with_lora(tmp_path_factory):
+    file = tmp_path_factory.mktemp("chroma_lora") / "upstream_lora.safetensors"
+    save_file(upstream_lora(), str(file))
+    return lora_run(file)
+
+
+def lora_predict(run, multiplier: float) -> torch.Tensor:
+    bundle, network = run
+    network.set_multiplier(multiplier)
+    with torch.no_grad():
+        return predict(bundle.unet, FACTS["lora"]["mask"])
+
+
+def test_lora_modules_and_keys_are_upstreams(with_lora) -> None:
+    _, network = with_lora
+    expected = upstream_lora()
+    assert (len(network.text_encoder_loras), len(network.unet_loras)) == (
+        FACTS["lora"]["text_encoder_modules"], FACTS["lora"]["unet_modules"]) == (0, 2 * 8 + 2 * 2)
+    state = network.state_dict()
+    assert sorted(state) == sorted(expected)  # 0 missing, 0 unexpected
+    for key, value in expected.items():
+        assert state[key].dtype == torch.float32
+        assert torch.equal(state[key], value.float()), key  # loaded as upstream saved it (bf16 values: exact)
+    assert all(module.scale == FACTS["lora"]["network_alpha"] / FACTS["lora"]["network_dim"]
+               for module in network.unet_loras)
+
+
+@pytest.mark.parametrize("multiplier", FACTS["lora"]["multipliers"])
+def test_lora_prediction_equals_upstream(with_lora, multiplier: float) -> None:
+    assert_fp32_close(lora_predict(with_lora, multiplier), REF[f"lora_pred_{multiplier}"])
+
+
+def test_the_lora_changes_the_prediction() -> None:
+    """The LoRA's share is well above the tolerance, at both multipliers: the test above sees it applied."""
+    assert max_relative(REF["lora_pred_1.0"], REF[f"pred_{FACTS['lora']['mask']}"]) > 1e-2
+    assert max_relative(REF["lora_pred_0.5"], REF[f"pred_{FACTS['lora']['mask']}"]) > 5e-3
+    assert max_relative(REF["lora_pred_1.0"], REF["lora_pred_0.5"]) > 5e-3
+
+
+@pytest.mark.parametrize("key", ["lora_unet_double_blocks_1_img_mlp_2.lora_up.weight",
+                                 "lora_unet_single_blocks_0_linear1.lora_down.weight"])
+def test_a_perturbed_lora_weight_is_seen(tmp_path, key: str) -> None:
+    weights = upstream_lora()
+    weights[key] = weights[key].clone()
+    weights[key].view(-1)[0] += 0.5
+    file = tmp_path / "perturbed.safetensors"
+    save_file(weights, str(file))
+    assert max_relative(lora_predict(lora_run(file), 1.0), REF["lora_pred_1.0"]) > 1e-3
