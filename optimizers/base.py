@@ -39,10 +39,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from optimizers.kernels import Tables
-from optimizers.layout import FlatLayout, RowRule, Rows, Span, aligned, to_device
+from optimizers.layout import FlatLayout, RowRule, Rows, Span, aligned, cut_runs, to_device
 from optimizers.rounding import bits_seed, tensor_seed
 
 AUTO_NUMEL = 1 << 20
+# elements per span of the fused backward pass (a larger tensor alone): the span's fp32 weight and gradient copies
+# stay within 256 MiB (a FLUX.1 double block's 32 tensors hold 340 M elements)
+SPAN_NUMEL = 1 << 25
+
 _compiled: dict[tuple[Callable[..., Any], int | None], Callable[..., Any]] = {}
 
 
@@ -152,12 +156,13 @@ class SROptimizer(Optimizer):
         return loss
 
     def spans(self, size: int) -> list[list[Tensor]]:
-        """The parameters as runs of at most ``size`` consecutive tensors of one flat layout (group, device, dtype):
-        each run is what ``step_span`` steps at the cost of one multi-tensor step."""
+        """The parameters as runs of at most ``size`` consecutive tensors and ``SPAN_NUMEL`` elements (a larger
+        tensor alone) of one flat layout (group, device, dtype): each run is what ``step_span`` steps at the cost of
+        one multi-tensor step, with fp32 copies of its weights and gradients that exist only while it steps."""
         runs = []
         for index, group in enumerate(self.param_groups):
             for layout in self._layouts_of(index, group):
-                runs += [layout.params[start:start + size] for start in range(0, len(layout.params), size)]
+                runs += cut_runs(layout.params, size, SPAN_NUMEL)
         return runs
 
     @torch.no_grad()

@@ -238,3 +238,17 @@ class FlatLayout:
                 start, row = start + numel, row + count
             self._rows[key] = Rows(tuple(runs), torch.tensor(owner, dtype=torch.int32, device=self.device))
         return self._rows[key]
+
+
+def cut_runs(params: Sequence[Tensor], max_tensors: int, max_numel: int) -> list[list[Tensor]]:
+    """``params`` cut into runs of consecutive tensors: at most ``max_tensors`` of them (0: any number) and
+    ``max_numel`` elements (a larger tensor alone)."""
+    runs: list[list[Tensor]] = []
+    size = 0
+    for param in params:
+        if not runs or len(runs[-1]) == max_tensors or size + param.numel() > max_numel:
+            runs.append([])
+            size = 0
+        runs[-1].append(param)
+        size += param.numel()
+    return runs

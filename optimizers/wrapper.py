@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from optimizers.base import AUTO_NUMEL, compiled_kernel, run_closure
-from optimizers.layout import to_device
+from optimizers.layout import cut_runs, to_device
 from optimizers.rounding import bits_seed, element_bits, round_bits, tensor_seed
 from optimizers.spec import OptimizerConfigError
 
@@ -119,20 +119,6 @@ class _Block:
         return torch.repeat_interleave(per_tensor, self.counts, output_size=self.values.numel())
 
 
-def _cut(params: list[Tensor], max_tensors: int, max_numel: int) -> list[list[Tensor]]:
-    """``params`` cut into runs of consecutive tensors: at most ``max_tensors`` of them (0: any number) and
-    ``max_numel`` elements (a larger tensor alone)."""
-    runs: list[list[Tensor]] = []
-    size = 0
-    for param in params:
-        if not runs or len(runs[-1]) == max_tensors or size + param.numel() > max_numel:
-            runs.append([])
-            size = 0
-        runs[-1].append(param)
-        size += param.numel()
-    return runs
-
-
 class StochasticRoundingWrapper(Optimizer):
     """Step ``inner`` on transient fp32 shadows of the parameters and write back (SR for bf16).
 
@@ -178,7 +164,7 @@ class StochasticRoundingWrapper(Optimizer):
         elements; the shadows (same objects, so the wrapped optimizer's state stays theirs) view the new blocks."""
         self._cut_as = (max_tensors, max_numel)
         self._blocks = [_Block(run, [self._shadow[param] for param in run], group)
-                        for group, bucket in self._buckets for run in _cut(bucket, max_tensors, max_numel)]
+                        for group, bucket in self._buckets for run in cut_runs(bucket, max_tensors, max_numel)]
         self._block_of = {param: block for block in self._blocks for param in block.params}
 
     def _push_hyperparameters(self) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from optimizers import REGISTRY, build_optimizer
+from optimizers import base as base_module
 from optimizers.wrapper import StochasticRoundingWrapper
 from tests.unit.optimizers.counting import Counting
 from tests.unit.optimizers.test_parity import compass_reference_fp64
@@ -319,3 +320,27 @@ def test_spans_cover_each_layout_in_runs_of_consecutive_tensors() -> None:
     assert [param for span in spans for param in span] == params
     with pytest.raises(ValueError, match="one group, device and dtype"):
         optimizer.step_span([params[0], params[-1]])
+
+
+@pytest.mark.parametrize("name", ["StochasticAdamW", "Compass", "SPARKLES"])
+def test_spans_are_cut_at_span_numel_and_step_as_the_whole_step(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A span also ends before it passes ``SPAN_NUMEL`` elements (a larger tensor alone: a FLUX.1 block's 32
+    tensors would otherwise make fp32 copies of 340 M elements at once); stepping the spans one by one writes the
+    weights and state of one whole step, bit for bit."""
+    monkeypatch.setattr(base_module, "SPAN_NUMEL", 40)
+    params = [torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16))
+              for n in (16, 16, 16, 64, 8)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    whole, spanned = build_optimizer(name, params, 1e-2), build_optimizer(name, twins, 1e-2)
+    spans = spanned.spans(32)
+    sizes = [[p.numel() for p in span] for span in spans]  # in the layout's order (SPARKLES groups by row length)
+    assert all(sum(span) <= 40 or span == [64] for span in sizes) and len(sizes) >= 3, sizes
+    assert sorted(id(p) for span in spans for p in span) == sorted(id(p) for p in twins)
+    for step in range(2):
+        for p, q in zip(params, twins, strict=True):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + p.numel())).to(p.dtype)
+            q.grad = p.grad.clone()
+        whole.step()
+        for span in spans:
+            spanned.step_span(span)
+    assert all(torch.equal(p, q) for p, q in zip(params, twins, strict=True))
