@@ -122,13 +122,15 @@ def child(trainer: str, argv: list[str], upstream: bool) -> int:
     return stamped_child(trainer, argv)
 
 
-def run_side(side: tuple, train_args: list[str], threads: int, log_file: Path) -> dict:
-    """One trainer run in a child process; its report, or ``{"error": ...}`` with the reason it failed."""
+def run_side(side: tuple, train_args: list[str], threads: int, log_file: Path,
+             extra_env: dict[str, str] | None = None) -> dict:
+    """One trainer run in a child process (``extra_env`` added to its environment, e.g. ``VS_UPSTREAM_STAMP``); its
+    report, or ``{"error": ...}`` with the reason it failed."""
     from vs_upstream import MARKER, load_average
 
     python, cwd, pythonpath, trainer, upstream = side
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
-           "CUDA_VISIBLE_DEVICES": ""}
+           "CUDA_VISIBLE_DEVICES": "", **(extra_env or {})}
     env.pop("PYTHONPATH", None)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
