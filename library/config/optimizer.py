@@ -41,9 +41,9 @@ class BlockwiseFusedOptimizers:
 
     blockwise_fused_optimizers: bool = flag(
         False, "step the weights inside backward block by block, each as soon as its gradients are complete, "
-        "freeing them: here the fused backward pass of --fused_backward_pass, whose spans of at most 32 tensors are "
-        "finer than a block (sd-scripts makes one optimizer per block instead); an optimizer that steps each tensor "
-        "on its own (AdamW, Adafactor, Lion, SGD, StochasticAdamW, ...)")
+        "freeing them: here the fused backward pass of --fused_backward_pass, whose spans of at most 32 tensors (and "
+        "32 M elements) are finer than a block (sd-scripts makes one optimizer per block instead); an optimizer that "
+        "steps each tensor on its own (AdamW, Adafactor, Lion, SGD, StochasticAdamW, ...)")
 
 
 @dataclass(frozen=True)
