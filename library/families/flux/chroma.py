@@ -36,7 +36,7 @@ from library.families.flux.chroma_layers import (
     SingleStreamBlock,
     split_modulations,
 )
-from library.families.flux.layers import EmbedND, timestep_embedding
+from library.families.flux.layers import timestep_embedding
 from library.families.flux.model import BlockStack
 
 ATTENDED_PADDING = 1  # padding tokens each sample attends past its mask (upstream ``Chroma.forward``'s attn_padding)
@@ -49,25 +49,12 @@ class ChromaTransformer(BlockStack):
     def __init__(self, params: ChromaParams):
         super().__init__()
         params.check()
-        self.params = params
-        self.in_channels = params.in_channels
-        self.out_channels = params.in_channels
-        self.hidden_size = params.hidden_size
-        self.num_heads = params.num_heads
-        self.pe_embedder = EmbedND(params.theta, params.axes_dim)
-        self.img_in = nn.Linear(params.in_channels, params.hidden_size, bias=True)
-        self.distilled_guidance_layer = Approximator(params.approximator_in_dim, params.hidden_size,
-                                                     params.approximator_hidden_size, params.approximator_depth)
-        self.txt_in = nn.Linear(params.context_in_dim, params.hidden_size)
-        self.double_blocks = nn.ModuleList(
-            DoubleStreamBlock(params.hidden_size, params.num_heads, params.mlp_ratio, params.qkv_bias)
-            for _ in range(params.depth)
-        )
-        self.single_blocks = nn.ModuleList(
-            SingleStreamBlock(params.hidden_size, params.num_heads, params.mlp_ratio)
-            for _ in range(params.depth_single_blocks)
-        )
-        self.final_layer = LastLayer(params.hidden_size, self.out_channels)
+
+        def approximator() -> None:
+            self.distilled_guidance_layer = Approximator(params.approximator_in_dim, params.hidden_size,
+                                                         params.approximator_hidden_size, params.approximator_depth)
+
+        self._build(params, approximator, DoubleStreamBlock, SingleStreamBlock, LastLayer)
 
     @property
     def is_schnell(self) -> bool:

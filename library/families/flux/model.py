@@ -16,6 +16,7 @@ swaps, so it names the device blocks compute on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -63,6 +64,23 @@ class BlockStack(nn.Module):
         self.gradient_checkpointing = False
         self.cpu_offload_checkpointing = False
         self.block_hooks: BlockHooks | None = None
+
+    def _build(self, params, embedders: Callable[[], None], double: type, single: type, last: type) -> None:
+        """The modules both transformers have, registered in upstream's order (which is the order of their
+        parameters: the optimizer's and clipping's): ``img_in``, what ``embedders`` adds, ``txt_in``, the two stacks
+        of ``double`` / ``single`` blocks and the ``last`` layer."""
+        self.params = params
+        self.in_channels = self.out_channels = params.in_channels
+        self.hidden_size, self.num_heads = params.hidden_size, params.num_heads
+        self.pe_embedder = EmbedND(params.theta, params.axes_dim)
+        self.img_in = nn.Linear(params.in_channels, params.hidden_size, bias=True)
+        embedders()
+        self.txt_in = nn.Linear(params.context_in_dim, params.hidden_size)
+        self.double_blocks = nn.ModuleList(double(params.hidden_size, params.num_heads, params.mlp_ratio,
+                                                  params.qkv_bias) for _ in range(params.depth))
+        self.single_blocks = nn.ModuleList(single(params.hidden_size, params.num_heads, params.mlp_ratio)
+                                           for _ in range(params.depth_single_blocks))
+        self.final_layer = last(params.hidden_size, self.out_channels)
 
     @property
     def compute_device(self) -> torch.device:
@@ -115,26 +133,13 @@ class FluxTransformer(BlockStack):
     def __init__(self, params: FluxParams):
         super().__init__()
         params.check()
-        self.params = params
-        self.in_channels = params.in_channels
-        self.out_channels = params.in_channels
-        self.hidden_size = params.hidden_size
-        self.num_heads = params.num_heads
-        self.pe_embedder = EmbedND(params.theta, params.axes_dim)
-        self.img_in = nn.Linear(params.in_channels, params.hidden_size, bias=True)
-        self.time_in = MLPEmbedder(256, params.hidden_size)
-        self.vector_in = MLPEmbedder(params.vec_in_dim, params.hidden_size)
-        self.guidance_in = MLPEmbedder(256, params.hidden_size) if params.guidance_embed else nn.Identity()
-        self.txt_in = nn.Linear(params.context_in_dim, params.hidden_size)
-        self.double_blocks = nn.ModuleList(
-            DoubleStreamBlock(params.hidden_size, params.num_heads, params.mlp_ratio, params.qkv_bias)
-            for _ in range(params.depth)
-        )
-        self.single_blocks = nn.ModuleList(
-            SingleStreamBlock(params.hidden_size, params.num_heads, params.mlp_ratio)
-            for _ in range(params.depth_single_blocks)
-        )
-        self.final_layer = LastLayer(params.hidden_size, self.out_channels)
+
+        def embedders() -> None:
+            self.time_in = MLPEmbedder(256, params.hidden_size)
+            self.vector_in = MLPEmbedder(params.vec_in_dim, params.hidden_size)
+            self.guidance_in = MLPEmbedder(256, params.hidden_size) if params.guidance_embed else nn.Identity()
+
+        self._build(params, embedders, DoubleStreamBlock, SingleStreamBlock, LastLayer)
 
     @property
     def is_schnell(self) -> bool:
