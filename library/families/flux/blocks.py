@@ -8,6 +8,8 @@ checkpointing and offloading are the model's business (``FluxTransformer.run_blo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -49,21 +51,33 @@ class DoubleStreamBlock(nn.Module):
     def forward(
         self, img: Tensor, txt: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        img_shift1, img_scale1, img_gate1, img_shift2, img_scale2, img_gate2 = self.img_mod(vec)
-        txt_shift1, txt_scale1, txt_gate1, txt_shift2, txt_scale2, txt_gate2 = self.txt_mod(vec)
-        img_q, img_k, img_v = self.img_attn.project(modulate(self.img_norm1(img), img_shift1, img_scale1))
-        txt_q, txt_k, txt_v = self.txt_attn.project(modulate(self.txt_norm1(txt), txt_shift1, txt_scale1))
+        img_mods, txt_mods = self.img_mod(vec), self.txt_mod(vec)
+        (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = project_streams(self, img, txt, img_mods, txt_mods)
         q = torch.cat((txt_q, img_q), dim=2)
         k = torch.cat((txt_k, img_k), dim=2)
         v = torch.cat((txt_v, img_v), dim=2)
         attn = attention(q, k, v, pe, text_mask(txt_attention_mask, q.shape[2]))
         txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1]:]
+        return update_streams(self, img, txt, img_attn, txt_attn, img_mods, txt_mods)
 
-        img = img + img_gate1 * self.img_attn.proj(img_attn)
-        img = img + img_gate2 * self.img_mlp(modulate(self.img_norm2(img), img_shift2, img_scale2))
-        txt = txt + txt_gate1 * self.txt_attn.proj(txt_attn)
-        txt = txt + txt_gate2 * self.txt_mlp(modulate(self.txt_norm2(txt), txt_shift2, txt_scale2))
-        return img, txt
+
+def project_streams(block: nn.Module, img: Tensor, txt: Tensor, img_mods: Sequence[Tensor],
+                    txt_mods: Sequence[Tensor]) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """A double block's q, k, v of each stream from its first (shift, scale) modulation (FLUX.1's and Chroma's
+    blocks alike; ``*_mods``: shift1, scale1, gate1, shift2, scale2, gate2)."""
+    return (block.img_attn.project(modulate(block.img_norm1(img), img_mods[0], img_mods[1])),
+            block.txt_attn.project(modulate(block.txt_norm1(txt), txt_mods[0], txt_mods[1])))
+
+
+def update_streams(block: nn.Module, img: Tensor, txt: Tensor, img_attn: Tensor, txt_attn: Tensor,
+                   img_mods: Sequence[Tensor], txt_mods: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """A double block's residual updates: each stream's attention output and MLP, gated (gate1, gate2) and the MLP
+    modulated by (shift2, scale2)."""
+    img = img + img_mods[2] * block.img_attn.proj(img_attn)
+    img = img + img_mods[5] * block.img_mlp(modulate(block.img_norm2(img), img_mods[3], img_mods[4]))
+    txt = txt + txt_mods[2] * block.txt_attn.proj(txt_attn)
+    txt = txt + txt_mods[5] * block.txt_mlp(modulate(block.txt_norm2(txt), txt_mods[3], txt_mods[4]))
+    return img, txt
 
 
 class SingleStreamBlock(nn.Module):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from library.families.flux.blocks import mlp, modulate
+from library.families.flux.blocks import mlp, modulate, project_streams, update_streams
 from library.families.flux.layers import MLPEmbedder, QKNorm, RMSNorm, SelfAttention, attention, split_heads
 from library.families.flux.params import FluxParams
 
@@ -134,21 +134,13 @@ class DoubleStreamBlock(nn.Module):
 
     def forward(self, img: Tensor, txt: Tensor, pe: Tensor, img_mods: Mods, txt_mods: Mods,
                 lengths: Sequence[int]) -> tuple[Tensor, Tensor]:
-        img_shift1, img_scale1, img_gate1, img_shift2, img_scale2, img_gate2 = img_mods
-        txt_shift1, txt_scale1, txt_gate1, txt_shift2, txt_scale2, txt_gate2 = txt_mods
-        img_q, img_k, img_v = self.img_attn.project(modulate(self.img_norm1(img), img_shift1, img_scale1))
-        txt_q, txt_k, txt_v = self.txt_attn.project(modulate(self.txt_norm1(txt), txt_shift1, txt_scale1))
+        (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = project_streams(self, img, txt, img_mods, txt_mods)
         q = torch.cat((img_q, txt_q), dim=2)
         k = torch.cat((img_k, txt_k), dim=2)
         v = torch.cat((img_v, txt_v), dim=2)
         attn = ragged_attention(q, k, v, pe, lengths)
         img_attn, txt_attn = attn[:, : img.shape[1]], attn[:, img.shape[1]:]
-
-        img = img + img_gate1 * self.img_attn.proj(img_attn)
-        img = img + img_gate2 * self.img_mlp(modulate(self.img_norm2(img), img_shift2, img_scale2))
-        txt = txt + txt_gate1 * self.txt_attn.proj(txt_attn)
-        txt = txt + txt_gate2 * self.txt_mlp(modulate(self.txt_norm2(txt), txt_shift2, txt_scale2))
-        return img, txt
+        return update_streams(self, img, txt, img_attn, txt_attn, img_mods, txt_mods)
 
 
 class SingleStreamBlock(nn.Module):
