@@ -33,6 +33,7 @@ CASES = {
     "sdxl_v": ("sdxl_train_network", ["--v_parameterization"], None),
     "flux_dev": ("flux_train_network", [], ("flux", False)),
     "flux_schnell": ("flux_train_network", [], ("flux", True)),
+    "chroma": ("flux_train_network", [], ("chroma", False)),
 }
 TRAINERS = {"train_network": "NetworkTrainer", "sdxl_train_network": "SdxlNetworkTrainer",
             "flux_train_network": "FluxNetworkTrainer"}

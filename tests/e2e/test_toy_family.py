@@ -185,7 +185,7 @@ def test_the_entry_script_loads_no_other_familys_behaviour(tmp_path):
     imported = set(re.findall(r"^import time:.*\|\s*([\w.]+)\s*$", done.stderr, re.MULTILINE))
     assert "tests.toy_family.family" in imported
     others = sorted(name for name in imported if re.match(r"library\.families\.(sd|sdxl|flux)\.", name))
-    assert others and all(name.rsplit(".", 1)[1] in ("spec", "config") for name in others), others
+    assert others and all(name.rsplit(".", 1)[1] in ("spec", "config", "fine_tune_config") for name in others), others
     assert (tmp_path / "out" / "lora.safetensors").is_file()
 
 

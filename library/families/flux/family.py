@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from library.families.base import ModelFamily, ModelIds
-from library.families.flux.chroma import ChromaTransformer
 from library.families.flux.flow import (
     FlowConfig,
     image_ids,
@@ -60,7 +59,7 @@ class FluxFamily(ModelFamily):
         prediction type (upstream ``sai_model_spec.build_metadata_dataclass`` sets none for a "flux" model); for
         Chroma ``chroma`` (``flux_utils.MODEL_VERSION_CHROMA``), ``chroma/lora`` and Chroma's implementation
         (``sai_model_spec.ARCH_FLUX_1_CHROMA``, ``IMPL_CHROMA``)."""
-        if model is not None and isinstance(model.unet, ChromaTransformer):
+        if model is not None and model.is_chroma:
             return ModelIds("chroma", "chroma/lora", CHROMA_IMPLEMENTATION, None)
         variant = "schnell" if model is not None and model.is_schnell else "dev"
         return ModelIds("flux1", f"flux-1-{variant}/lora", FLUX_IMPLEMENTATION, None)

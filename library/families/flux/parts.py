@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from library.families.flux.chroma import ChromaTransformer
 from library.families.flux.model import FluxTransformer
 from library.families.model_parts import freeze
 from library.families.tokenizers import load_tokenizer
@@ -43,7 +44,7 @@ class FluxModel:
     transformer is ``unet`` and the AE ``vae``: the names the trainer gives every family's denoiser and autoencoder
     (upstream's ``train_network.py`` passes the FLUX transformer as its ``unet`` too)."""
 
-    unet: FluxTransformer
+    unet: FluxTransformer | ChromaTransformer
     clip_l: CLIPTextModel
     t5xxl: T5EncoderModel
     vae: AutoencoderKL
@@ -58,6 +59,11 @@ class FluxModel:
     @property
     def is_schnell(self) -> bool:
         return self.unet.is_schnell
+
+    @property
+    def is_chroma(self) -> bool:
+        """Chroma's transformer (``--model_type chroma``), not FLUX.1's."""
+        return isinstance(self.unet, ChromaTransformer)
 
 
 def part_config(configs: str, part: str, **overrides) -> dict:

@@ -24,8 +24,10 @@ CASES = {
     "sd_v2_v": ("sd", "builtin:tiny-sd15", ["--v2", "--v_parameterization"], None),
     "sdxl": ("sdxl", "builtin:tiny-sdxl", [], None),
     "sdxl_v": ("sdxl", "builtin:tiny-sdxl", ["--v_parameterization"], None),
-    "flux_dev": ("flux", "builtin:tiny-flux", [], SimpleNamespace(is_schnell=False)),
-    "flux_schnell": ("flux", "builtin:tiny-flux", [], SimpleNamespace(is_schnell=True)),
+    "flux_dev": ("flux", "builtin:tiny-flux", [], SimpleNamespace(is_schnell=False, is_chroma=False)),
+    "flux_schnell": ("flux", "builtin:tiny-flux", [], SimpleNamespace(is_schnell=True, is_chroma=False)),
+    "chroma": ("flux", "builtin:tiny-chroma", ["--model_type", "chroma", "--apply_t5_attn_mask"],
+               SimpleNamespace(is_schnell=False, is_chroma=True)),
 }
 
 
