@@ -80,9 +80,9 @@ def update_streams(block: nn.Module, img: Tensor, txt: Tensor, img_attn: Tensor,
     return img, txt
 
 
-class SingleStreamBlock(nn.Module):
-    """One stream: ``linear1`` gives q, k, v and the MLP input at once, ``linear2`` takes attention output and
-    activated MLP together (the parallel block of arXiv:2302.05442)."""
+class SingleStreamLayers(nn.Module):
+    """The layers of a single block (FLUX.1's and Chroma's): ``linear1`` gives q, k, v and the MLP input at once,
+    ``linear2`` takes attention output and activated MLP together (the parallel block of arXiv:2302.05442)."""
 
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float):
         super().__init__()
@@ -94,6 +94,13 @@ class SingleStreamBlock(nn.Module):
         self.norm = QKNorm(hidden_size // num_heads)
         self.pre_norm = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp_act = nn.GELU(approximate="tanh")
+
+
+class SingleStreamBlock(SingleStreamLayers):
+    """FLUX.1's single block: the layers with their own ``modulation`` (registered last, as upstream's)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float):
+        super().__init__(hidden_size, num_heads, mlp_ratio)
         self.modulation = Modulation(hidden_size, double=False)
 
     def forward(self, x: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask: Tensor | None = None) -> Tensor:

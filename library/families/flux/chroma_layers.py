@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from library.families.flux.blocks import mlp, modulate, project_streams, update_streams
-from library.families.flux.layers import MLPEmbedder, QKNorm, RMSNorm, SelfAttention, attention, split_heads
+from library.families.flux.blocks import SingleStreamLayers, mlp, modulate, project_streams, update_streams
+from library.families.flux.layers import MLPEmbedder, RMSNorm, SelfAttention, attention, split_heads
 from library.families.flux.params import FluxParams
 
 Mods = tuple[Tensor, ...]
@@ -143,20 +143,9 @@ class DoubleStreamBlock(nn.Module):
         return update_streams(self, img, txt, img_attn, txt_attn, img_mods, txt_mods)
 
 
-class SingleStreamBlock(nn.Module):
-    """FLUX.1's single block (``blocks.SingleStreamBlock``) without ``modulation``: the (shift, scale, gate) triple
-    is an input, attention is ``ragged_attention`` over the image + text sequence."""
-
-    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float):
-        super().__init__()
-        self.hidden_size = hidden_size
-        self.num_heads = num_heads
-        self.mlp_hidden_dim = int(hidden_size * mlp_ratio)
-        self.linear1 = nn.Linear(hidden_size, hidden_size * 3 + self.mlp_hidden_dim)
-        self.linear2 = nn.Linear(hidden_size + self.mlp_hidden_dim, hidden_size)
-        self.norm = QKNorm(hidden_size // num_heads)
-        self.pre_norm = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.mlp_act = nn.GELU(approximate="tanh")
+class SingleStreamBlock(SingleStreamLayers):
+    """FLUX.1's single block layers (``blocks.SingleStreamLayers``) without ``modulation``: the (shift, scale, gate)
+    triple is an input, attention is ``ragged_attention`` over the image + text sequence."""
 
     def forward(self, x: Tensor, pe: Tensor, mods: Mods, lengths: Sequence[int]) -> Tensor:
         shift, scale, gate = mods
