@@ -52,7 +52,7 @@ for _path in (str(ROOT), str(BENCH)):
 from common import machine, publish, write_images  # noqa: E402
 from finetune_vs_upstream import ADAFACTOR, step_seconds  # noqa: E402
 from flux_vs_upstream import model_name, run_side, tokenizer_cache, write_model_files  # noqa: E402
-from vs_upstream import cpu_bf16, git_head, load_average, run_flags, upstream_versions  # noqa: E402
+from vs_upstream import cpu_bf16, git_head, harness_args, load_average, run_flags, upstream_versions  # noqa: E402
 
 SR_FUSED = ["--mixed_precision", "bf16", "--optimizer_type", "StochasticAdamW", "--fused_backward_pass"]
 RECIPE = "full bf16, Adafactor, fused backward (upstream's recipe)"
@@ -171,13 +171,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results"
                         / f"flux-finetune-vs-upstream-{time.strftime('%Y-%m-%d')}.md")
     args = parser.parse_args()
-    if args.peer_dir is None:
-        parser.error("give --peer_dir (or PEER_DIR): the upstream harness that shared/upstream/setup.sh builds")
-    if args.steps < args.warmup + 2:
-        parser.error("--steps must leave at least two timed updates after --warmup")
-    args.upstream_dir = args.peer_dir / "sd-scripts"
-    args.upstream_python = str(args.peer_dir / "venv" / "bin" / "python")
-    args.upstream_pythonpath = f"{args.peer_dir / 'shim'}:{args.upstream_dir}"
+    harness_args(parser, args, None)
     return args
 
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import publish, write_images  # noqa: E402
 from finetune_vs_upstream import step_seconds  # noqa: E402
 from memory_speed import machine  # noqa: E402
-from vs_upstream import cpu_bf16, git_head, run_flags, run_side, upstream_versions  # noqa: E402
+from vs_upstream import cpu_bf16, git_head, harness_args, run_flags, run_side, upstream_versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "library" / "assets" / "configs" / "sdxl"
@@ -220,13 +220,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results"
                         / f"sdxl-finetune-vs-upstream-{time.strftime('%Y-%m-%d')}.md")
     args = parser.parse_args()
-    if args.peer_dir is None:
-        parser.error("give --peer_dir (or PEER_DIR): the upstream harness that shared/upstream/setup.sh builds")
-    if args.steps < args.warmup + 2:
-        parser.error("--steps must leave at least two timed updates after --warmup")
-    args.upstream_dir = args.peer_dir / "sd-scripts"
-    args.upstream_python = str(args.peer_dir / "venv" / "bin" / "python")
-    args.upstream_pythonpath = f"{args.peer_dir / 'shim'}:."
+    harness_args(parser, args, ".")
     return args
 
 

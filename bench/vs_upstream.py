@@ -221,6 +221,19 @@ def run_flags(parser: argparse.ArgumentParser, *, steps: int, warmup: int, threa
     parser.add_argument("--note", default="", help="a line added under the table")
 
 
+def harness_args(parser: argparse.ArgumentParser, args: argparse.Namespace, upstream_path: str | None) -> None:
+    """Check ``run_flags``' values and set the upstream harness's checkout, Python and ``PYTHONPATH`` (its shim,
+    then ``upstream_path``, None: the checkout itself) from ``--peer_dir``; ``parser.error`` without it."""
+    if args.peer_dir is None:
+        parser.error("give --peer_dir (or PEER_DIR): the upstream harness that shared/upstream/setup.sh builds")
+    if args.steps < args.warmup + 2:
+        parser.error("--steps must leave at least two timed updates after --warmup")
+    args.upstream_dir = args.peer_dir / "sd-scripts"
+    args.upstream_python = str(args.peer_dir / "venv" / "bin" / "python")
+    path = args.upstream_dir if upstream_path is None else upstream_path
+    args.upstream_pythonpath = f"{args.peer_dir / 'shim'}:{path}"
+
+
 def _harness_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fill the upstream harness paths not given from ``--peer_dir``; say which are missing when it is not given."""
     defaults = {"model": ("model", "sd15-random"), "tokenizer_cache_dir": ("model", "tokenizer_cache"),
