@@ -26,18 +26,15 @@ What is recorded (upstream 48d368fa ``library/chroma_models.py`` called, nothing
    (``set_multiplier``).
 
     cd "$PEER_DIR/sd-scripts" && PYTHONPATH="$PEER_DIR/shim:." "$PEER_DIR/venv/bin/python" \
-        <this repository>/tests/data/upstream_chroma_parity.py [--upstream_dir DIR] [--out_dir DIR]
+        <this repository>/tests/data/upstream_chroma_parity.py [--upstream_dir DIR] [--data_dir DIR]
 
-``--upstream_dir`` defaults to ``$PEER_DIR/sd-scripts`` (else the current directory). A few seconds of CPU.
+``--upstream_dir`` defaults to ``$PEER_DIR/sd-scripts`` (else the current directory), ``--data_dir`` (where the
+results are written) to this file's folder (``upstream_session.enter_upstream``). A few seconds of CPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
-from pathlib import Path
 
 UPSTREAM_COMMIT = "48d368fa"
 CHROMA_PARAMS = dict(in_channels=64, context_in_dim=32, hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=2,
@@ -154,18 +151,12 @@ def lora_outputs(model, ins: dict) -> dict:
 
 
 def main() -> None:
-    peer = os.environ.get("PEER_DIR")
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--upstream_dir", default=os.path.join(peer, "sd-scripts") if peer else ".")
-    parser.add_argument("--out_dir", default=str(Path(__file__).resolve().parent))
-    cli = parser.parse_args()
-    upstream = Path(cli.upstream_dir).resolve()
-    sys.path.insert(0, str(upstream))
-    os.chdir(upstream)
+    from upstream_session import enter_upstream
+
+    out_dir = enter_upstream(__doc__.split("\n")[0])
     import torch
     from safetensors.torch import save_file
 
-    torch.set_num_threads(1)
     model = build_model()
     ins = inputs()
     tensors = {**ins, **outputs(model, ins), **gradients(model, ins)}
@@ -174,7 +165,6 @@ def main() -> None:
     lora, te_modules, unet_modules = lora_outputs(model, ins)
     tensors.update({k: v.to(torch.bfloat16) if k.endswith(".weight") else v for k, v in lora.items()})
     tensors = {k: v.detach().clone().contiguous() for k, v in tensors.items()}
-    out_dir = Path(cli.out_dir)
     save_file(tensors, str(out_dir / "upstream_chroma_parity.safetensors"))
     facts = {
         "source": f"kohya-ss/sd-scripts {UPSTREAM_COMMIT}: chroma_models.Chroma (get_mod_vectors, forward, one "
