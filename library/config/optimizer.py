@@ -33,6 +33,13 @@ class FusedOptimizerGroups:
         "rate changes), each as soon as its gradients are complete, freeing them (0: off); an optimizer that steps "
         "each tensor on its own (AdamW, Adafactor, Lion, SGD, StochasticAdamW, ...)")
 
+    def group_count_problems(self) -> list[str]:
+        """A negative ``--fused_optimizer_groups`` (sd-scripts takes 0 or none as off)."""
+        groups = self.fused_optimizer_groups
+        if groups is not None and groups < 0:
+            return [f"--fused_optimizer_groups {groups}: give a number of groups > 0 (0 or none: off)"]
+        return []
+
 
 @dataclass
 class BlockwiseFusedOptimizers:

@@ -155,10 +155,11 @@ def load_transformer(path: str | Path, *, dtype: torch.dtype | None = None, devi
     state, metadata = read_files(transformer_files(path), device=device, mmap=mmap)
     state = strip_prefix(state)
     info = inspect(state, path)
-    if info.is_chroma != (model_type == "chroma"):
+    if info.is_chroma and model_type != "chroma":
         raise UserError(f"{path}: a Chroma checkpoint (distilled_guidance_layer.*); train it with --model_type chroma "
-                        "--apply_t5_attn_mask" if info.is_chroma else
-                        f"{path}: a FLUX.1 checkpoint, not Chroma's (it has no distilled_guidance_layer.*); drop "
+                        "--apply_t5_attn_mask")
+    if model_type == "chroma" and not info.is_chroma:
+        raise UserError(f"{path}: a FLUX.1 checkpoint, not Chroma's (it has no distilled_guidance_layer.*); drop "
                         "--model_type chroma, or give a Chroma checkpoint")
     if info.is_chroma:
         with torch.device("meta"):

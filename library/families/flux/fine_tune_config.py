@@ -77,11 +77,9 @@ def flux_fine_tune_problems(cfg: TrainConfig) -> list[str]:
     ``--fused_optimizer_groups``, two ways of stepping inside backward at once (upstream silently prefers one),
     ``--save_model_as`` other than safetensors, and swapping the trained blocks (not done here yet)."""
     section, problems = cfg.family_config, flux_script_problems(cfg)
-    groups = section.fused_optimizer_groups
-    if groups is not None and groups < 0:
-        problems.append(f"--fused_optimizer_groups {groups}: give a number of groups > 0 (0 or none: off)")
+    problems += section.group_count_problems()
     chosen = [name for name, on in (("--fused_backward_pass", cfg.optimizer.fused_backward_pass),
-                                    ("--fused_optimizer_groups", bool(groups)),
+                                    ("--fused_optimizer_groups", bool(section.fused_optimizer_groups)),
                                     ("--blockwise_fused_optimizers", section.blockwise_fused_optimizers)) if on]
     if len(chosen) > 1:
         problems.append(f"{' and '.join(chosen)}: each steps the weights inside backward; give one "

@@ -61,10 +61,11 @@ def load_flux_model(
     given = {"t5xxl": t5xxl, "ae": ae} if chroma else {"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}
     if is_builtin_flux(path):
         model = build_builtin_flux(path, seed)
-        if isinstance(model.unet, ChromaTransformer) != chroma:
-            raise UserError(f"{path} is {'a Chroma' if not chroma else 'a FLUX.1'} model: "
-                            + ("add --model_type chroma --apply_t5_attn_mask" if not chroma else
-                               "use builtin:tiny-chroma with --model_type chroma, or drop --model_type chroma"))
+        if model.is_chroma and not chroma:
+            raise UserError(f"{path} is a Chroma model: add --model_type chroma --apply_t5_attn_mask")
+        if chroma and not model.is_chroma:
+            raise UserError(f"{path} is a FLUX.1 model: use builtin:tiny-chroma with --model_type chroma, or drop "
+                            "--model_type chroma")
         parts = {"clip_l": model.clip_l, "t5xxl": model.t5xxl, "ae": model.vae}
         sources = {part: source or path for part, source in given.items()}
         for part, source in given.items():

@@ -114,10 +114,8 @@ def sdxl_fine_tune_problems(cfg: TrainConfig) -> list[str]:
                         "--train_text_encoder or the caching flag (as sd-scripts requires)")
     if section.block_lr:
         problems.extend(_block_lr_problems(section))
-    groups = section.fused_optimizer_groups
-    if groups is not None and groups < 0:
-        problems.append(f"--fused_optimizer_groups {groups}: give a number of groups > 0 (0 or none: off)")
-    if groups and cfg.optimizer.fused_backward_pass:
+    problems += section.group_count_problems()
+    if section.fused_optimizer_groups and cfg.optimizer.fused_backward_pass:
         problems.append("--fused_optimizer_groups with --fused_backward_pass: both step the weights inside "
                         "backward; give one (--fused_backward_pass: 32 tensors at a time; --fused_optimizer_groups "
                         "N: N groups)")
