@@ -330,17 +330,23 @@ def _construct(spec_name: str, build: Any) -> Optimizer:
 
 
 def build_optimizer(name: str | None, param_groups: Iterable[Any], lr: float | None, *, in_spans: bool = False,
-                    **options: Any) -> Optimizer:
+                    device: torch.device | None = None, state_on_host: bool = False, **options: Any) -> Optimizer:
     """Build the optimizer ``name`` over ``param_groups`` (tensors or group dicts) with base ``lr`` and options.
 
     Non-native entries take ``stochastic_rounding`` (default per entry: on for Adafactor, off otherwise) and ``seed``:
     when on and some parameters are bf16, the optimizer runs inside ``StochasticRoundingWrapper``. ``in_spans``: the
     caller steps it a run of tensors at a time (``spans`` / ``step_span``, the fused backward pass), which the
     entries with ``fused_backward`` allow; a wrapped one is then wrapped even without stochastic rounding.
+    ``device``: the optimizer steps there and keeps its state there whatever device a tensor is on when stepped
+    (block swapping of trained weights; ``place``): a registry entry is then wrapped too. ``state_on_host``: the
+    state in host memory, copied to ``device`` span by span (the in-project optimizers only).
     """
     spec = find_spec(name)
     groups = _as_groups(param_groups)
     if spec is None:
+        if device is not None or state_on_host:
+            raise OptimizerConfigError(f"{name} keeps its state on each tensor's device, which cannot follow weights "
+                                       "that move between host and device; use a registered optimizer")
         optimizer_class = _dotted_class(str(name))
         return _construct(str(name), lambda: optimizer_class(groups, lr=lr, **options))
     resolved = resolve_options(spec, options)
@@ -349,15 +355,24 @@ def build_optimizer(name: str | None, param_groups: Iterable[Any], lr: float | N
         raise OptimizerConfigError(f"{spec.name} cannot step a part of its tensors (the fused backward pass); use "
                                    f"one of {', '.join(s.name for s in REGISTRY.values() if s.fused_backward)}")
     if spec.stochastic_rounding == "native":
-        return _construct(spec.name, lambda: spec.factory(groups, lr, resolved))
+        return _placed(_construct(spec.name, lambda: spec.factory(groups, lr, resolved)), device, state_on_host)
+    if state_on_host:
+        raise OptimizerConfigError(f"{spec.name} keeps its state where it steps; state in host memory needs an "
+                                   f"in-project optimizer ({', '.join(SR_NATIVE_NAMES)})")
     rounding = bool(resolved.pop("stochastic_rounding", spec.sr_default))
     seed = int(resolved.pop("seed", 0))
     has_bf16 = any(param.dtype == torch.bfloat16 for group in groups for param in group["params"])
-    if not (rounding and has_bf16 or in_spans):
+    if not (rounding and has_bf16 or in_spans or device is not None):
         return _construct(spec.name, lambda: spec.factory(groups, lr, resolved))
-    return _construct(spec.name, lambda: StochasticRoundingWrapper(
+    return _placed(_construct(spec.name, lambda: StochasticRoundingWrapper(
         groups, lambda inner: spec.factory(inner, lr, resolved), seed, stochastic_rounding=rounding,
-        tensorwise=spec.fused_backward))
+        tensorwise=spec.fused_backward)), device, state_on_host)
+
+
+def _placed(optimizer: Optimizer, device: torch.device | None, state_on_host: bool) -> Optimizer:
+    if device is not None or state_on_host:
+        optimizer.place(device, state_on_host)
+    return optimizer
 
 
 __all__ = [

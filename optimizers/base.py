@@ -18,6 +18,13 @@ layout, ``spans``, stepped from a post-accumulate-grad hook) or ``step_parameter
 ``step()``. In eager mode the multi-tensor step is bitwise equal to stepping every tensor alone; the fused
 ``torch.compile`` path (``compiled``) agrees to fp32 rounding.
 
+Placement (``place``): by default a layout lives on its tensors' device. A trainer that moves trained tensors
+between host and device (block swapping) gives the device the optimizer steps on, so the layouts, their state and
+the transient copies stay there wherever a tensor is when stepped; it may keep the state in host memory instead
+(``--offload_optimizer_state``: each span's state is copied to the device for its step and back,
+``optimizers.layout``; ``step()`` then steps span by span, so the device holds one span's state at a time). The bits
+are those of the default placement.
+
 Step or skip can be decided on the device: ``apply`` (a 0-d bool tensor, or one per tensor of a ``step_span``) is
 multiplied into the table's "has a gradient" column, so where it is False the kernels' masked write-backs put every
 weight and state value back as it was (bitwise: a bf16 value rounds to itself), whatever the arithmetic produced (NaN
@@ -116,6 +123,8 @@ class SROptimizer(Optimizer):
         self._group_of: dict[Tensor, dict[str, Any]] = {}
         self._layouts: dict[int, tuple[tuple, list[FlatLayout]]] = {}
         self._seeds: dict[tuple[int, int], int] = {}
+        self._device: torch.device | None = None
+        self._state_on_host = False
         self.compiled = compiled
         self._compile_failed = False
         super().__init__(params, defaults)
@@ -127,12 +136,37 @@ class SROptimizer(Optimizer):
             self._index[param] = len(self._index)
             self._group_of[param] = group
 
+    def place(self, device: torch.device | str | None, state_on_host: bool = False) -> None:
+        """Step on ``device`` (None: each tensor's own device) wherever the tensors are when stepped, with the state
+        there or, ``state_on_host``, in host memory (pinned for CUDA) and copied in span by span (module
+        docstring). The state kept so far moves with the layouts."""
+        if state_on_host and device is None:
+            raise ValueError(f"{type(self).__name__}.place: state_on_host needs the device the steps run on")
+        self._device = None if device is None else torch.device(device)
+        self._state_on_host = state_on_host
+        self._layouts = {}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        """As ``Optimizer.load_state_dict``; placed (``place``), the state tensors are not first moved to each
+        tensor's device (the whole state of a model on the device at once) but copied into the layouts' buffers."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict if self._device is None else {**state_dict, "state": {}})
+        if self._device is not None:
+            keys = [key for group in state_dict["param_groups"] for key in group["params"]]
+            params = [param for group in self.param_groups for param in group["params"]]
+            for key, param in zip(keys, params, strict=True):
+                if key in saved:
+                    self.state[param] = dict(saved[key])
         self._layouts = {}
         for group in self.param_groups:
             for param in group["params"]:
                 self._group_of[param] = group
+
+    def state_dict(self) -> dict[str, Any]:
+        """As ``Optimizer.state_dict``, after the copies back of state kept in host memory have landed."""
+        if self._state_on_host and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return super().state_dict()
 
     def persistent_tensors(self) -> list[Tensor]:
         """Every tensor the optimizer keeps between steps (flat buffers and their index tables)."""
@@ -150,10 +184,22 @@ class SROptimizer(Optimizer):
         loss = run_closure(closure)
         for index, group in enumerate(self.param_groups):
             for layout in self._layouts_of(index, group):
-                active = [i for i, param in enumerate(layout.params) if param.grad is not None]
-                if active:
-                    self._step_span(group, layout, layout.span(0, len(layout.params)), active, apply)
+                for t0, t1 in self._step_ranges(layout):
+                    active = [i for i in range(t0, t1) if layout.params[i].grad is not None]
+                    if active:
+                        self._step_span(group, layout, layout.span(t0, t1), active, apply)
         return loss
+
+    def _step_ranges(self, layout: FlatLayout) -> list[tuple[int, int]]:
+        """What ``step()`` steps at once: the whole layout, or with the state in host memory spans of at most
+        ``SPAN_NUMEL`` elements (the bits are the same: module docstring)."""
+        if not layout.offloaded:
+            return [(0, len(layout.params))]
+        ranges = []
+        for run in cut_runs(layout.params, 0, SPAN_NUMEL):
+            start = layout.index[run[0]]
+            ranges.append((start, start + len(run)))
+        return ranges
 
     def spans(self, size: int) -> list[list[Tensor]]:
         """The parameters as runs of at most ``size`` consecutive tensors and ``SPAN_NUMEL`` elements (a larger
@@ -258,14 +304,15 @@ class SROptimizer(Optimizer):
 
     def _layouts_of(self, index: int, group: dict[str, Any]) -> list[FlatLayout]:
         rules = self.rules(group)
-        key = (tuple((id(param), param.dtype, param.device) for param in group["params"]), tuple(rules),
-               self.rule_key(group))
+        key = (tuple((id(param), param.dtype, self._device or param.device) for param in group["params"]),
+               tuple(rules), self.rule_key(group))
         cached = self._layouts.get(index)
         if cached is None or cached[0] != key:
             buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
             for param in group["params"]:
-                buckets.setdefault((param.device, param.dtype), []).append(param)
-            layouts = [FlatLayout(params, self.state, self.state_names, rules) for params in buckets.values()]
+                buckets.setdefault((self._device or param.device, param.dtype), []).append(param)
+            layouts = [FlatLayout(params, self.state, self.state_names, rules, device, self._state_on_host)
+                       for (device, _), params in buckets.items()]
             for layout in layouts:
                 for position, param in enumerate(layout.params):
                     if self.state.get(param):

@@ -22,6 +22,13 @@ slots are padded to a multiple of ``CHUNK`` (the padding stays zero and is never
 run of consecutive tensors of the layout (all of them for ``step()``, a few for ``step_span``, one for
 ``step_parameter``); kernels work on a span's chunks. Per-step host data (the tables) goes to CUDA from pinned
 memory without blocking: no host sync.
+
+Placement: a layout lives on one ``device`` (its buffers, tables and transient copies), by default its first
+tensor's; the tensors themselves may be elsewhere when a span steps (block swapping moves trained weights between
+host and device), the gather and scatter copies then cross devices. With ``state_on_host``
+(``--offload_optimizer_state``) the state buffers are in host memory (pinned when the layout is on CUDA) and a span's
+state is copied in with its gradients and parameters and back with them, queued on the stream without host waits,
+so the device holds one span's state at a time (on the CPU the same copies run, host to host).
 """
 
 from __future__ import annotations
@@ -112,16 +119,19 @@ class SpanBuffers:
         self.p = torch.empty((span.c1 - span.c0) * layout.chunk, dtype=layout.dtype, device=layout.device)
         self.g = torch.empty_like(self.p)
         self.p_views, self.g_views = layout._views(self.p, span.t0, span.t1), layout._views(self.g, span.t0, span.t1)
+        # device copies of the span's state when the layout keeps its state elsewhere (module docstring)
+        self.states = {name: torch.empty_like(self.p) for name in layout.states} if layout.offloaded else {}
         self._bytes = self.p.untyped_storage().nbytes()
         self.release()
 
     def allocate(self) -> None:
-        for buffer in (self.p, self.g):
+        for buffer in (self.p, self.g, *self.states.values()):
             buffer.untyped_storage().resize_(self._bytes)
-            buffer.zero_()
+        self.p.zero_()
+        self.g.zero_()
 
     def release(self) -> None:
-        for buffer in (self.p, self.g):
+        for buffer in (self.p, self.g, *self.states.values()):
             buffer.untyped_storage().resize_(0)
 
 
@@ -130,17 +140,21 @@ class FlatLayout:
 
     ``rules`` maps a row kind (e.g. "centre") to the row length of each tensor; tensors are ordered by their row
     lengths (stable, so the order is the same on every run) and ``index`` maps a parameter to its position.
+    ``device`` (None: the first tensor's) and ``state_on_host``: the placement (module docstring).
     """
 
     @torch.no_grad()
     def __init__(self, params: Sequence[Tensor], state: Mapping[Tensor, dict], state_names: Sequence[str],
-                 rules: Mapping[str, RowRule]) -> None:
+                 rules: Mapping[str, RowRule], device: torch.device | None = None,
+                 state_on_host: bool = False) -> None:
         lengths = {kind: [rule(param) for param in params] for kind, rule in rules.items()}
         order = sorted(range(len(params)), key=lambda i: tuple(values[i] for values in lengths.values()))
         self.params = [params[i] for i in order]
         self.row_lengths = {kind: [values[i] for i in order] for kind, values in lengths.items()}
         self.index = {param: position for position, param in enumerate(self.params)}
-        self.device, self.dtype = self.params[0].device, self.params[0].dtype
+        self.device, self.dtype = device or self.params[0].device, self.params[0].dtype
+        self.offloaded = state_on_host
+        state_device = torch.device("cpu") if state_on_host else self.device
         self.chunk = math.gcd(CHUNK, *[n for values in lengths.values() for n in values])
         numels = [param.numel() for param in self.params]
         self.chunk_counts = [-(-numel // self.chunk) for numel in numels]
@@ -153,7 +167,8 @@ class FlatLayout:
         self.states: dict[str, Tensor] = {}
         self.state_views: dict[str, list[Tensor]] = {}
         for name in state_names:
-            self.states[name] = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            self.states[name] = torch.zeros(self.numel, dtype=self.dtype, device=state_device,
+                                            pin_memory=self.offloaded and self.device.type == "cuda")
             self.state_views[name] = self._views(self.states[name])
             held = [(view, state[p][name]) for view, p in zip(self.state_views[name], self.params, strict=True)
                     if name in state.get(p, {})]
@@ -197,24 +212,34 @@ class FlatLayout:
         self._gathered = (span, buffers)
         torch._foreach_copy_([buffers.g_views[i - span.t0] for i in active], [self.params[i].grad for i in active])
         torch._foreach_copy_([buffers.p_views[i - span.t0] for i in active], [self.params[i] for i in active])
+        for name, copy in buffers.states.items():
+            copy.copy_(self._state_slice(name, span), non_blocking=True)
 
     def scatter(self, span: Span, active: Sequence[int]) -> None:
-        """Copy the updated parameters of tensors ``active`` back and release ``span``'s buffers (call under
-        ``torch.no_grad``)."""
+        """Copy the updated parameters of tensors ``active`` (and an offloaded span's state) back and release
+        ``span``'s buffers (call under ``torch.no_grad``)."""
         buffers = self.buffers(span)
         torch._foreach_copy_([self.params[i] for i in active], [buffers.p_views[i - span.t0] for i in active])
+        for name, copy in buffers.states.items():
+            self._state_slice(name, span).copy_(copy, non_blocking=True)
         buffers.release()
         self._gathered = None
 
+    def _state_slice(self, name: str, span: Span) -> Tensor:
+        return self.states[name][span.c0 * self.chunk:span.c1 * self.chunk]
+
     def blocks(self, span: Span) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """Parameter, gradient and state buffers of ``span`` as [chunks, C] views; the first two are those of the
-        gathered span that holds ``span`` (SPARKLES steps single tensors of it a second time)."""
+        """Parameter, gradient and state buffers of ``span`` as [chunks, C] views; the first two (and the state of a
+        layout with its state in host memory) are those of the gathered span that holds ``span`` (SPARKLES steps
+        single tensors of it a second time)."""
         if self._gathered is None or not self._gathered[0].c0 <= span.c0 <= span.c1 <= self._gathered[0].c1:
             raise RuntimeError("FlatLayout.blocks: gather a span that holds it first")
         gathered, buffers = self._gathered
         start, end = (span.c0 - gathered.c0) * self.chunk, (span.c1 - gathered.c0) * self.chunk
-        states = {name: flat[span.c0 * self.chunk:span.c1 * self.chunk].view(-1, self.chunk)
-                  for name, flat in self.states.items()}
+        if self.offloaded:
+            states = {name: copy[start:end].view(-1, self.chunk) for name, copy in buffers.states.items()}
+        else:
+            states = {name: self._state_slice(name, span).view(-1, self.chunk) for name in self.states}
         return buffers.p[start:end].view(-1, self.chunk), buffers.g[start:end].view(-1, self.chunk), states
 
     def owner(self, span: Span) -> Tensor:

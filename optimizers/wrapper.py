@@ -88,12 +88,12 @@ class _Block:
     """Consecutive tensors of one group, device and dtype, stepped together: their shadows view the block's fp32
     value and gradient buffers, whose storage exists only while the block is stepped."""
 
-    def __init__(self, params: list[Tensor], shadows: list[Tensor], group: int) -> None:
+    def __init__(self, params: list[Tensor], shadows: list[Tensor], group: int, device: torch.device | None) -> None:
         self.params = params
         self.group = group  # the index of the group that holds the block
         self.sizes = [param.numel() for param in params]
         self.starts = [sum(self.sizes[:index]) for index in range(len(params))]
-        device = params[0].device
+        device = device or params[0].device
         self.values = torch.empty(sum(self.sizes), dtype=torch.float32, device=device)
         self.grads = torch.empty_like(self.values)
         self.views = [view.view_as(p) for view, p in zip(self.values.split(self.sizes), params, strict=True)]
@@ -135,35 +135,53 @@ class StochasticRoundingWrapper(Optimizer):
         self._shadow: dict[Tensor, Tensor] = {}
         self._position: dict[Tensor, int] = {}
         self._sr_steps: dict[Tensor, int] = {}
-        self._buckets: list[tuple[int, list[Tensor]]] = []  # (group, its params of one device and dtype)
+        self._device: torch.device | None = None
         inner_groups = []
         for group in self.param_groups:
-            buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
             for param in group["params"]:
                 if param.dtype not in (torch.bfloat16, torch.float32):
                     raise OptimizerConfigError(f"stochastic rounding supports bf16 (and fp32) parameters, not "
                                                f"{param.dtype}; train in bf16 or turn stochastic_rounding off")
                 self._shadow[param] = torch.empty(0, dtype=torch.float32, device=param.device)
                 self._position[param], self._sr_steps[param] = len(self._position), 0
-                buckets.setdefault((param.device, param.dtype), []).append(param)
-            self._buckets += [(len(inner_groups), bucket) for bucket in buckets.values()]
             inner_groups.append({**group, "params": [self._shadow[param] for param in group["params"]]})
-        self._bf16_numel: dict[torch.device, int] = {}
-        for param in self._position:
-            if param.dtype == torch.bfloat16:
-                self._bf16_numel[param.device] = self._bf16_numel.get(param.device, 0) + param.numel()
-        self._blocks: list[_Block] = []
-        self._block_of: dict[Tensor, _Block] = {}
+        self._bucket()
         self._build_blocks(0, CHUNK_NUMEL)
         self.inner = build_inner(inner_groups)
         prefer_foreach(self.inner)
         self._pull_hyperparameters()
 
+    def place(self, device: torch.device | str | None, state_on_host: bool = False) -> None:
+        """Step on ``device`` (None: each tensor's own device) wherever the tensors are when stepped (block swapping
+        moves trained weights between host and device): the blocks, the shadows and so the wrapped optimizer's state
+        live there. Call it before the first step. The wrapped optimizer's state is not offered in host memory."""
+        if state_on_host:
+            raise OptimizerConfigError(f"{type(self.inner).__name__} keeps its state where it steps; state in host "
+                                       "memory needs an in-project optimizer (StochasticAdamW, Compass, SPARKLES)")
+        if self.inner.state:
+            raise ValueError("StochasticRoundingWrapper.place: call it before the first step")
+        self._device = None if device is None else torch.device(device)
+        self._bucket()
+        self._build_blocks(*self._cut_as)
+
+    def _bucket(self) -> None:
+        """Each group's parameters by (device they step on, dtype): what blocks are cut from."""
+        self._buckets: list[tuple[int, list[Tensor]]] = []  # (group, its params of one device and dtype)
+        self._bf16_numel: dict[torch.device, int] = {}
+        for index, group in enumerate(self.param_groups):
+            buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+            for param in group["params"]:
+                device = self._device or param.device
+                buckets.setdefault((device, param.dtype), []).append(param)
+                if param.dtype == torch.bfloat16:
+                    self._bf16_numel[device] = self._bf16_numel.get(device, 0) + param.numel()
+            self._buckets += [(index, bucket) for bucket in buckets.values()]
+
     def _build_blocks(self, max_tensors: int, max_numel: int) -> None:
         """Cut every bucket into blocks of at most ``max_tensors`` tensors (0: any number) and ``max_numel``
         elements; the shadows (same objects, so the wrapped optimizer's state stays theirs) view the new blocks."""
         self._cut_as = (max_tensors, max_numel)
-        self._blocks = [_Block(run, [self._shadow[param] for param in run], group)
+        self._blocks = [_Block(run, [self._shadow[param] for param in run], group, self._device)
                         for group, bucket in self._buckets for run in cut_runs(bucket, max_tensors, max_numel)]
         self._block_of = {param: block for block in self._blocks for param in block.params}
 
@@ -211,7 +229,7 @@ class StochasticRoundingWrapper(Optimizer):
         active = [block.index[param] for param in params if param.grad is not None]
         if not active:
             return
-        positions = to_device([block.index[param] for param in params], torch.int64, params[0].device)
+        positions = to_device([block.index[param] for param in params], torch.int64, block.values.device)
         if apply is not None:
             apply = apply.expand(len(params)) if apply.dim() == 0 else apply
             apply = torch.zeros(len(block.params), dtype=torch.bool, device=apply.device).index_copy_(
@@ -301,10 +319,10 @@ class StochasticRoundingWrapper(Optimizer):
         round_shadows_(block.values, local_index, seed_of)
 
     def _device_state(self, block: _Block, active: list[int]) -> dict[tuple[int, str], Tensor]:
-        """Copies of the wrapped optimizer's state tensors of the ``active`` tensors on their device, keyed
-        (position, name)."""
+        """Copies of the wrapped optimizer's state tensors of the ``active`` tensors on the device they step on,
+        keyed (position, name)."""
         entries = {(i, key): value for i in active for key, value in self.inner.state.get(block.shadows[i], {}).items()
-                   if isinstance(value, Tensor) and value.device == block.params[i].device}
+                   if isinstance(value, Tensor) and value.device == block.values.device}
         if not entries:
             return {}
         flat = torch.cat([value.reshape(-1) for value in entries.values()])
@@ -328,10 +346,11 @@ class StochasticRoundingWrapper(Optimizer):
     def host_state(self, param: Tensor) -> dict[str, Any]:
         """What a masked ``step_span`` cannot put back on the device: the rounding step count and the wrapped
         optimizer's state of ``param`` that lives on the host (None when it has none yet)."""
-        state = self.inner.state.get(self._shadow[param])
+        shadow = self._shadow[param]  # on the device ``param`` steps on
+        state = self.inner.state.get(shadow)
         kept = None if not state else {
             key: value.clone() if isinstance(value, Tensor) else value for key, value in state.items()
-            if not isinstance(value, Tensor) or value.device != param.device}
+            if not isinstance(value, Tensor) or value.device != shadow.device}
         return {"sr_step": self._sr_steps[param], "inner": kept}
 
     def restore_host_state(self, param: Tensor, saved: dict[str, Any]) -> None:
