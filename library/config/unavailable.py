@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from library.config.fields import flag
 
 _DEEPSPEED = ("DeepSpeed is not supported: a LoRA's optimizer state is a few MB, so ZeRO sharding and offloading "
-              "save nothing that matters; train on one GPU, or on several with `accelerate launch --multi_gpu` (DDP)")
+              "save nothing that matters; for full fine-tuning, --offload_optimizer_state keeps the state of "
+              "StochasticAdamW, Compass or SPARKLES in host memory; train on one GPU, or on several with "
+              "`accelerate launch --multi_gpu` (DDP)")
 _HUB = ("uploading to the Hugging Face Hub is not supported (this trainer never reaches the network); upload the "
         "files of --output_dir afterwards, e.g. with `huggingface-cli upload`")
 _HUB_RESUME = ("resuming from the Hugging Face Hub is not supported (this trainer never reaches the network); "

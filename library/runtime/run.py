@@ -314,7 +314,8 @@ def _optimization(cfg: TrainConfig, ready: Prepared, models: Models, processes: 
     """The optimizer and its schedule, gradient accumulation, the random streams, the update and the state."""
     choice, seed, device, network = ready.choice, ready.seed, models.device, models.network
     groups, descriptions = network_setup.param_groups(network, cfg.optimizer)
-    optimizer = optimizer_setup.build_optimizer(choice, groups, cfg.optimizer.learning_rate)
+    optimizer = optimizer_setup.build_optimizer(choice, groups, cfg.optimizer.learning_rate, device,
+                                                cfg.optimizer.offload_optimizer_state)
     scheduler = optimizer_setup.build_scheduler(optimizer, ready.lr_schedule)
     for warning in optimizer_setup.optimizer_warnings(choice, groups, cfg.schedule, cfg.precision.full_bf16,
                                                       ready.plan):

@@ -27,8 +27,16 @@ def _max_abs(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool tensor on the tensors' device: every element of every tensor is finite. No host sync."""
-    return torch.isfinite(_max_abs(tensors)).all()
+    """A 0-d bool tensor on the tensors' device (the accelerator's when some are in host memory, as swapped blocks'
+    weights are): every element of every tensor is finite. One reduction per device, no host sync."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    flags = [torch.isfinite(_max_abs(group)).all() for group in by_device.values()] or [torch.ones((), dtype=bool)]
+    if len(flags) == 1:
+        return flags[0]
+    target = next(device for device in by_device if device.type != "cpu")
+    return torch.stack([flag.to(target, non_blocking=True) for flag in flags]).all()
 
 
 def floating_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

@@ -89,6 +89,10 @@ def check_optimizer(cfg: OptimizerConfig, schedule: ScheduleConfig, family_confi
     if choice.fused is not None and (spec is None or not spec.fused_backward):
         raise UserError(f"{choice.fused.flag} needs an optimizer that steps each tensor on its own; {choice.name} "
                         f"cannot. Use one of: {', '.join(_fused_backward_names())}")
+    if cfg.offload_optimizer_state and choice.name not in optimizers.SR_NATIVE_NAMES:
+        raise UserError(f"--offload_optimizer_state keeps the state of an in-project optimizer in host memory; "
+                        f"{choice.name} keeps its own. Use --optimizer_type "
+                        f"{' / '.join(optimizers.SR_NATIVE_NAMES)}, or drop the flag")
     _resolve_schedule(schedule, choice, cfg.learning_rate, None)
     return choice
 
@@ -199,12 +203,24 @@ def _fused_backward_names() -> list[str]:
     return [spec.name for spec in optimizers.REGISTRY.values() if spec.fused_backward]
 
 
-def build_optimizer(choice: OptimizerChoice, groups: list[dict], lr: float):
+def build_optimizer(choice: OptimizerChoice, groups: list[dict], lr: float, device: torch.device | None = None,
+                    offload_state: bool = False):
+    """The optimizer over ``groups``. It is placed on ``device`` (``optimizers.base``: it steps and keeps its state
+    there whatever device a tensor is on when stepped) when trained tensors are on the host while training runs on
+    an accelerator (``--blocks_to_swap`` of a trained model) or ``offload_state`` (``--offload_optimizer_state``)
+    keeps its state in host memory."""
+    params = [param for group in groups for param in group["params"]]
+    host_held = device is not None and device.type != "cpu" and any(p.device.type == "cpu" for p in params)
+    placed = device if host_held or offload_state else None
     try:
-        return optimizers.build_optimizer(choice.name, groups, lr, in_spans=choice.fused is not None,
-                                          **choice.options)
+        optimizer = optimizers.build_optimizer(choice.name, groups, lr, in_spans=choice.fused is not None,
+                                               device=placed, state_on_host=offload_state, **choice.options)
     except optimizers.OptimizerConfigError as exc:
         raise UserError(f"--optimizer_type {choice.name}: {exc}") from exc
+    if placed is not None:
+        log.info("%s steps on %s%s", choice.name, placed, ", its state in host memory (--offload_optimizer_state)"
+                 if offload_state else " (trained weights of swapped blocks visit it)")
+    return optimizer
 
 
 def build_scheduler(optimizer, schedule: ScheduleChoice):
