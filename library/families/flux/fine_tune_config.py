@@ -75,7 +75,8 @@ def flux_fine_tune_after_parse(values: dict[str, Any]) -> None:
 def flux_fine_tune_problems(cfg: TrainConfig) -> list[str]:
     """What ``flux_train.py`` refuses: the checks it shares with ``flux_train_network.py``, a negative
     ``--fused_optimizer_groups``, two ways of stepping inside backward at once (upstream silently prefers one),
-    ``--save_model_as`` other than safetensors, and swapping the trained blocks (not done here yet)."""
+    ``--save_model_as`` other than safetensors, and swapping the trained blocks without stepping inside backward or
+    with gradient accumulation."""
     section, problems = cfg.family_config, flux_script_problems(cfg)
     problems += section.group_count_problems()
     chosen = [name for name, on in (("--fused_backward_pass", cfg.optimizer.fused_backward_pass),
@@ -88,10 +89,13 @@ def flux_fine_tune_problems(cfg: TrainConfig) -> list[str]:
         problems.append(f"--save_model_as {section.save_model_as}: flux_train.py writes one .safetensors file in "
                         "BFL's layout (sd-scripts' flux_train.py ignores the flag and writes the same); drop the "
                         "flag or give safetensors")
-    if section.swapped_blocks > 0:
-        problems.append(f"--blocks_to_swap {section.swapped_blocks}: swapping the blocks of a trained transformer "
-                        "is not supported by flux_train.py here yet; drop it and save device memory with "
-                        "--full_bf16 --fused_backward_pass and --gradient_checkpointing (add "
-                        "--cpu_offload_checkpointing for more), or train a LoRA with flux_train_network.py, where "
-                        "--blocks_to_swap works")
+    if section.swapped_blocks > 0 and not chosen:
+        problems.append(f"--blocks_to_swap {section.swapped_blocks}: a swapped block's weights are stepped inside "
+                        "backward while the block is on the device; add --fused_backward_pass (or "
+                        "--fused_optimizer_groups N / --blockwise_fused_optimizers)")
+    if section.swapped_blocks > 0 and cfg.schedule.gradient_accumulation_steps > 1:
+        problems.append(f"--blocks_to_swap {section.swapped_blocks} with --gradient_accumulation_steps "
+                        f"{cfg.schedule.gradient_accumulation_steps}: the window's gradient sums of swapped blocks "
+                        "are not moved with them yet; use --gradient_accumulation_steps 1 (a larger "
+                        "--train_batch_size), or drop --blocks_to_swap")
     return problems

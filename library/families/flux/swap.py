@@ -20,8 +20,19 @@ blocks; each stack must keep two blocks on the device (at most ``depth - 2`` swa
   ``prepare_block_swap_before_forward`` calls.
 
 What moves: the weight of every ``nn.Linear`` inside a swapped block (biases, RMSNorm scales and every layer outside
-the two stacks stay on the device, as upstream). These weights must be frozen; a LoRA attached to them keeps its own
-parameters on the device (``networks.lora`` only wraps the layer's ``forward``), so only the base weights move.
+the two stacks stay on the device, as upstream). A LoRA attached to them keeps its own parameters on the device
+(``networks.lora`` only wraps the layer's ``forward``), so only the frozen base weights move. ``flux_train.py`` swaps
+trained weights (upstream's ``flux_train.py`` too): each is stepped inside the backward pass while its block is on the
+device (the fused backward pass, which that script then requires: a block's weight gradients are complete before
+the full backward hook that moves the block out fires), by an optimizer placed on the device (``optimizers.base``
+``place``: state and flat buffers stay there, or in host memory with ``--offload_optimizer_state``), and its updated
+values leave with it.
+
+Not bit for bit: the full backward hooks (upstream's too) wrap each block's inputs in one more autograd node, which
+changes the order in which autograd sums the gradient of the vector input (``vec``, which every block reads) over
+the blocks: fp32 gradients of ``time_in`` / ``vector_in`` / ``guidance_in`` 1e-7 apart from a run without swapping.
+A LoRA on the blocks alone is unaffected (bit for bit); a trained transformer follows the unswapped run to that
+rounding (``tests/e2e/test_flux_fine_tune_swap.py``).
 
 Memory: each stack holds exactly n - k blocks' Linear weights on the device at all times. A move copies the
 leaving block's weights into fresh pinned host memory and the arriving block's weights into the device memory it
@@ -89,12 +100,8 @@ def check_blocks_to_swap(blocks_to_swap: int, depth: int, depth_single: int) -> 
 
 
 def movable_weights(block: nn.Module) -> list[nn.Parameter]:
-    """The weights that leave the device with ``block``: every ``nn.Linear`` weight in it (frozen)."""
-    weights = [m.weight for m in block.modules() if isinstance(m, nn.Linear)]
-    if any(w.requires_grad for w in weights):
-        raise UserError("--blocks_to_swap moves frozen base weights only; a swapped block has a trainable Linear "
-                        "weight (train a LoRA, or lower --blocks_to_swap)")
-    return weights
+    """The weights that leave the device with ``block``: every ``nn.Linear`` weight in it."""
+    return [m.weight for m in block.modules() if isinstance(m, nn.Linear)]
 
 
 class _Copier:

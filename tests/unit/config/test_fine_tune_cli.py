@@ -274,8 +274,10 @@ REFUSALS = [
      "--fused_optimizer_groups with --fused_backward_pass: both step the weights inside backward"),
     *[(script, ["--fp8_base", "--mixed_precision", "bf16"], "--fp8_base stores frozen weights in fp8, but full "
        "fine-tuning trains the denoiser's weights; use --full_bf16") for script in NAMES],
-    ("flux_train.py", ["--blocks_to_swap", "4"], "--blocks_to_swap 4: swapping the blocks of a trained transformer "
-     "is not supported by flux_train.py here yet"),
+    ("flux_train.py", ["--blocks_to_swap", "4"], "--blocks_to_swap 4: a swapped block's weights are stepped inside "
+     "backward"),
+    ("flux_train.py", ["--blocks_to_swap", "4", "--fused_backward_pass", "--gradient_accumulation_steps", "2"],
+     "--blocks_to_swap 4 with --gradient_accumulation_steps 2: the window's gradient sums"),
     ("flux_train.py", ["--double_blocks_to_swap", "2", "--single_blocks_to_swap", "4"], "--blocks_to_swap 4: "),
     ("flux_train.py", ["--save_model_as", "diffusers"], "--save_model_as diffusers: flux_train.py writes one "
      ".safetensors file in BFL's layout"),

@@ -97,11 +97,23 @@ def test_above_the_limit_is_refused():
     assert model.block_hooks is None
 
 
-def test_trainable_swapped_weight_is_refused():
-    model, _ = _model_and_lora()
-    model.single_blocks[7].linear2.weight.requires_grad_(True)
-    with pytest.raises(UserError, match="frozen base weights only"):
-        enable_block_swap(model, 1, "cpu")
+def test_a_trained_weight_gets_its_gradient_while_its_block_is_on_the_device():
+    """flux_train.py's fused backward pass steps each weight from its post-accumulate-grad hook: every trained Linear
+    weight of a block must then be in the device memory the blocks share (the storages the resident blocks start
+    in), including those of swapped blocks."""
+    torch.manual_seed(0)
+    model = FluxTransformer(PARAMS)
+    resident = _watch_device_memory(model, 5)
+    enable_block_swap(model, 5, "cpu")
+    arrived, outside = [], []
+    for stack in (model.double_blocks, model.single_blocks):
+        for block in stack:
+            for weight in _linear_weights(block):
+                weight.register_post_accumulate_grad_hook(
+                    lambda w: (arrived if w.data_ptr() in resident else outside).append(w))
+    model(**_inputs()).square().mean().backward()
+    assert len(arrived) == sum(len(_linear_weights(b)) for b in [*model.double_blocks, *model.single_blocks])
+    assert outside == []
 
 
 # Hand-written from upstream's schedule: forward (i, n-k+i) for i < k; backward hooks of blocks n-2 .. n-k-1
