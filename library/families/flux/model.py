@@ -7,11 +7,10 @@ Inputs: packed latents ``img`` (b, h/2 * w/2, 64) with ``img_ids`` (b, n, 3), T5
 
 **Hook point for block swapping.** Every block runs through ``FluxTransformer.run_block(stack, index, *inputs)``
 (``stack`` is ``"double"`` or ``"single"``). When ``block_hooks`` is set (a ``BlockHooks``), ``forward`` calls its
-``before_forward(model)`` once, then ``before_block(stack, index)`` before each block (wait for its weights) and
-``after_block(stack, index)`` after it (start moving weights out/in), as upstream's ``ModelOffloader``
-``wait_for_block`` / ``submit_move_blocks``; backward-side swapping is registered by the hooks object itself on the
-blocks (module backward hooks), as upstream's offloader does. ``compute_device`` (where ``img_in`` lives) never
-swaps, so it names the device blocks compute on.
+``before_forward(model)`` once, then ``before_block(stack, index, inputs)`` before each block (wait for its weights;
+backward-side swapping hooks the block's input tensors) and ``after_block(stack, index)`` after it (start moving
+weights out/in), as upstream's ``ModelOffloader`` ``wait_for_block`` / ``submit_move_blocks``. ``compute_device``
+(where ``img_in`` lives) never swaps, so it names the device blocks compute on.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ class BlockHooks(Protocol):
 
     def before_forward(self, model: FluxTransformer) -> None: ...
 
-    def before_block(self, stack: str, index: int) -> None: ...
+    def before_block(self, stack: str, index: int, inputs: tuple) -> None: ...
 
     def after_block(self, stack: str, index: int) -> None: ...
 
@@ -110,7 +109,7 @@ class BlockStack(nn.Module):
         """Run block ``index`` of ``stack`` on ``inputs``: the single place the block loop goes through (hooks,
         checkpointing, CPU offload of checkpointed activations)."""
         if self.block_hooks is not None:
-            self.block_hooks.before_block(stack, index)
+            self.block_hooks.before_block(stack, index, inputs)
         block = self.block(stack, index)
         if not self._checkpointing():
             out = block(*inputs)

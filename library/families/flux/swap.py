@@ -9,10 +9,15 @@ blocks; each stack must keep two blocks on the device (at most ``depth - 2`` swa
 - Placement before a forward: blocks ``0 .. n-k-1`` on the device, the last k on the host.
 - Training forward (grad enabled): before block i wait for its weights; after block i < k, block i leaves and block
   ``n-k+i`` comes in, into the same device memory. After the forward blocks ``k .. n-1`` are on the device.
-- Backward (full backward hooks on the blocks, as upstream): when block i's input gradients are done, for
-  ``n-k-1 <= i <= n-2`` block i+1 leaves and block ``i+k+1-n`` comes in; for ``1 <= i <= k`` the compute waits for
-  block i-1. After the backward the placement is the one a forward starts from. The ``k <= n-2`` limit is what
-  lets each block arrive before the hook that waits for it.
+- Backward: when block i's backward is done and before any of block i-1's runs, for ``n-k-1 <= i <= n-2`` block i+1
+  leaves and block ``i+k+1-n`` comes in; for ``1 <= i <= k`` the compute waits for block i-1. After the backward the
+  placement is the one a forward starts from. The ``k <= n-2`` limit is what lets each block arrive before the hook
+  that waits for it. Upstream hooks the blocks' full backward, which wraps every input of a block in one more autograd
+  node; that changes the order in which autograd sums the gradient of the vector input (which every block reads) over
+  the blocks, 1e-7 apart in fp32, enough to change a trained ``time_in``. Here a training forward hooks the gradients
+  of the block's input tensors instead (no node added) and the first one to fire is the moment: each is a hook of an
+  output node of block i-1 (or of what precedes the stack), and autograd runs the ready node created last first, so
+  the first of those nodes runs after every node of block i and above, before any other of block i-1.
 - Sampling forward (grad disabled, upstream's ``forward_only``): after every block i, block i leaves and block
   ``(n-k+i) mod n`` comes in; the window of resident blocks turns once round and ends where it started.
 - ``before_forward`` restores the starting placement when a pass left it elsewhere (a training forward without its
@@ -24,15 +29,9 @@ the two stacks stay on the device, as upstream). A LoRA attached to them keeps i
 (``networks.lora`` only wraps the layer's ``forward``), so only the frozen base weights move. ``flux_train.py`` swaps
 trained weights (upstream's ``flux_train.py`` too): each is stepped inside the backward pass while its block is on the
 device (the fused backward pass, which that script then requires: a block's weight gradients are complete before
-the full backward hook that moves the block out fires), by an optimizer placed on the device (``optimizers.base``
-``place``: state and flat buffers stay there, or in host memory with ``--offload_optimizer_state``), and its updated
-values leave with it.
-
-Not bit for bit: the full backward hooks (upstream's too) wrap each block's inputs in one more autograd node, which
-changes the order in which autograd sums the gradient of the vector input (``vec``, which every block reads) over
-the blocks: fp32 gradients of ``time_in`` / ``vector_in`` / ``guidance_in`` 1e-7 apart from a run without swapping.
-A LoRA on the blocks alone is unaffected (bit for bit); a trained transformer follows the unswapped run to that
-rounding (``tests/e2e/test_flux_fine_tune_swap.py``).
+the hook that moves the block out fires), by an optimizer placed on the device (``optimizers.base`` ``place``: state
+and flat buffers stay there, or in host memory with ``--offload_optimizer_state``), and its updated values leave
+with it.
 
 Memory: each stack holds exactly n - k blocks' Linear weights on the device at all times. A move copies the
 leaving block's weights into fresh pinned host memory and the arriving block's weights into the device memory it
@@ -166,8 +165,6 @@ class StackSwap:
         self.on_device = [True] * self.n
         self.ready: dict[int, torch.cuda.Event | None] = {}
         self.training_pass = False
-        self.handles = [blocks[i].register_full_backward_hook(self._backward_hook(i))
-                        for i in range(self.n) if swapped and (self._swaps_after(i) or self._waits_after(i))]
 
     def starting_placement(self) -> list[bool]:
         return [i < self.n - self.k for i in range(self.n)]
@@ -201,11 +198,17 @@ class StackSwap:
         self.on_device[out], self.on_device[into] = False, True
         self.owner.record(Move(self.stack, phase, out, into))
 
-    def before_block(self, index: int) -> None:
-        """Let the compute wait for block ``index``'s weights (upstream ``wait_for_block``)."""
+    def before_block(self, index: int, inputs: tuple = ()) -> None:
+        """Let the compute wait for block ``index``'s weights (upstream ``wait_for_block``); in a training forward,
+        hook the gradients of its ``inputs`` for what follows its backward (module docstring)."""
         if not self.on_device[index]:
             raise RuntimeError(f"block swap ({self.stack}): block {index} is on the host at its forward")
         self.copier.wait(self.ready.pop(index, None))
+        if self.training_pass and (self._swaps_after(index) or self._waits_after(index)):
+            backward_done = self._backward_hook(index)
+            for tensor in inputs:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(backward_done)
 
     def after_block(self, index: int) -> None:
         """Start the exchange that follows block ``index`` (upstream ``submit_move_blocks``)."""
@@ -223,18 +226,19 @@ class StackSwap:
         return 0 < index <= self.k
 
     def _backward_hook(self, index: int):
-        def hook(module, grad_input, grad_output):
+        """A gradient hook for each input of block ``index`` that acts at the first call only."""
+        fired = []
+
+        def hook(grad: torch.Tensor) -> None:
+            if fired:
+                return
+            fired.append(True)
             if self._swaps_after(index):
                 self._exchange(index + 1, index + self.k + 1 - self.n, "backward")
             if self._waits_after(index):
                 self.before_block(index - 1)
-            return None
 
         return hook
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 class FluxBlockSwap:
@@ -283,15 +287,11 @@ class FluxBlockSwap:
         for stack in self.stacks.values():
             stack.prepare()
 
-    def before_block(self, stack: str, index: int) -> None:
-        self.stacks[stack].before_block(index)
+    def before_block(self, stack: str, index: int, inputs: tuple) -> None:
+        self.stacks[stack].before_block(index, inputs)
 
     def after_block(self, stack: str, index: int) -> None:
         self.stacks[stack].after_block(index)
-
-    def remove(self) -> None:
-        for stack in self.stacks.values():
-            stack.remove()
 
 
 def enable_block_swap(model: FluxTransformer, blocks_to_swap: int, device: torch.device | str) -> FluxBlockSwap:
@@ -309,7 +309,6 @@ def disable_block_swap(model: FluxTransformer, device: torch.device | str | None
     """Remove the hooks; with ``device``, every weight goes back there."""
     hooks = model.block_hooks
     if isinstance(hooks, FluxBlockSwap):
-        hooks.remove()
         model.block_hooks = None
         if device is not None:
             model.to(device)

@@ -166,7 +166,7 @@ class RecordingHooks:
     def before_forward(self, model) -> None:
         self.calls.append("forward")
 
-    def before_block(self, stack: str, index: int) -> None:
+    def before_block(self, stack: str, index: int, inputs: tuple) -> None:
         self.calls.append(f"before {stack} {index}")
 
     def after_block(self, stack: str, index: int) -> None:
