@@ -144,7 +144,7 @@ def test_every_block_runs_through_the_hook_point():
         def before_forward(self, model):
             calls.append("forward")
 
-        def before_block(self, stack, index):
+        def before_block(self, stack, index, inputs):
             calls.append(f"{stack}{index}<")
 
         def after_block(self, stack, index):
