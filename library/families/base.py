@@ -86,6 +86,12 @@ class ModelFamily(ABC):
         (``init_empty_weights``) or loads them with ``from_pretrained``."""
         return 0
 
+    def release_text_encoders(self, model: Any, samples: Any, device: torch.device, policy: Any) -> None:
+        """After ``--cache_text_encoder_outputs`` with frozen text encoders: a family whose encoders are read by
+        nothing but the sample prompts from then on may encode those now (``samples``: the ``SamplePlan`` or None)
+        and drop the encoders; by default they are kept."""
+        return None
+
     def fp8_text_encoders(self, model: Any, cached_outputs: bool) -> list[torch.nn.Module]:
         """``--fp8_base``: the text encoders whose weights are stored in fp8 (``cached_outputs``: the run trains from
         cached text encoder outputs). Upstream ``train_network.py`` casts to fp8 only the encoders still on the

@@ -155,8 +155,18 @@ class FluxFamily(ModelFamily):
         return FlowObjective.of(flow_config(flux, noise), dtype, device)
 
     def text_encoders(self, model: Any) -> list[torch.nn.Module]:
-        """CLIP-L then T5-XXL (``lora_te1`` and ``lora_te3``)."""
-        return [model.clip_l, model.t5xxl]
+        """CLIP-L then T5-XXL (``lora_te1`` and ``lora_te3``); none once released (``release_text_encoders``)."""
+        return [encoder for encoder in (model.clip_l, model.t5xxl) if encoder is not None]
+
+    def release_text_encoders(self, model: Any, samples: Any, device: torch.device, policy: Any) -> None:
+        """Encode the sample prompts now and drop CLIP-L and T5-XXL, as upstream's ``flux_train.py`` does after
+        caching (``sample_prompts_te_outputs``, then ``clip_l = None; t5xxl = None``): T5-XXL alone is 9.5 GB of
+        host memory in bf16. Here also for ``flux_train_network.py``, whose caching trains no text encoder."""
+        from library.families.flux.sampling import keep_sample_conditioning
+
+        keep_sample_conditioning(model, samples.prompts if samples else [], device, lambda: policy.autocast(device))
+        log.info("text encoders released after caching their outputs%s",
+                 f" and the conditioning of {len(samples.prompts)} sample prompt(s)" if samples else "")
 
     def network_text_encoder(self, model: Any) -> Any:
         return [model.clip_l, model.t5xxl]

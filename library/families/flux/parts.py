@@ -18,9 +18,9 @@ alone (no sentencepiece) and gives the hub tokenizer's ids.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from library.families.flux.chroma import ChromaTransformer
 from library.families.flux.model import FluxTransformer
@@ -45,8 +45,8 @@ class FluxModel:
     (upstream's ``train_network.py`` passes the FLUX transformer as its ``unet`` too)."""
 
     unet: FluxTransformer | ChromaTransformer
-    clip_l: CLIPTextModel
-    t5xxl: T5EncoderModel
+    clip_l: CLIPTextModel | None  # None (both) once released after caching (``FluxFamily.release_text_encoders``)
+    t5xxl: T5EncoderModel | None
     vae: AutoencoderKL
     clip_tokenizer: CLIPTokenizer
     t5_tokenizer: T5TokenizerFast
@@ -55,6 +55,8 @@ class FluxModel:
     apply_t5_attn_mask: bool = False  # --apply_t5_attn_mask
     guidance_scale: float = 3.5  # --guidance_scale, the training steps' guidance input (dev)
     t5_file_fp8: bool = False  # T5-XXL's file stores its Linear weights in float8_e4m3fn
+    # the sample prompts' text inputs, encoded before the text encoders were released: (prompt, negative) -> inputs
+    sample_conditioning: dict[tuple[str, str | None], dict[str, Any]] = field(default_factory=dict)
 
     @property
     def is_schnell(self) -> bool:

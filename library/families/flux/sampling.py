@@ -20,6 +20,8 @@ FLUX has one sampler (upstream ignores ``--sample_sampler`` / ``--ss`` for FLUX)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,9 +101,12 @@ def flux_sample_conditioning(model: Any, prompt: str, negative: str | None, *, d
     """``sample_latents``' text inputs for one sample prompt: ``l_pooled``, ``t5_out``, ``txt_ids``,
     ``t5_attn_mask`` and, with ``negative`` (None: no CFG), ``negative_l_pooled``, ``negative_t5_out``,
     ``negative_t5_attn_mask`` (upstream reuses the prompt's ``txt_ids``). Each prompt is encoded on its own, as
-    upstream."""
+    upstream; those kept by ``keep_sample_conditioning`` are taken from there."""
     from library.families.flux.text_encoding import encode_prompts
 
+    kept = model.sample_conditioning.get((prompt, negative))
+    if kept is not None:
+        return {key: None if value is None else value.to(device) for key, value in kept.items()}
     masked = getattr(model, "apply_t5_attn_mask", False)
     out: dict[str, Any] = {}
     for prefix, text in (("", prompt), ("negative_", negative)):
@@ -138,3 +143,29 @@ def sample_latents(model: Any, transformer: torch.nn.Module, *, l_pooled: torch.
     timesteps = get_schedule(num_inference_steps, geometry.seq_len, shift=True)
     packed = denoise(transformer, noise, ids, text, timesteps, embedded_guidance_scale, negative)
     return unpack_latents(packed, geometry.packed_h, geometry.packed_w)
+
+
+def keep_sample_conditioning(model: Any, prompts: list, device: torch.device,
+                             autocast: Callable[[], AbstractContextManager]) -> None:
+    """Encode every sample prompt as a sample would (text encoders on ``device``, eval mode, no gradients,
+    ``autocast``), keep the inputs in host memory on the model and drop the text encoders (upstream's
+    ``flux_train.py`` after ``sample_prompts_te_outputs``); the samples then draw the same images."""
+    from library.families.flux.sampling_image import flux_sample_settings
+
+    encoders = [model.clip_l, model.t5xxl]
+    places = [(encoder, next(encoder.parameters()).device, encoder.training) for encoder in encoders]
+    try:
+        for encoder in encoders:
+            encoder.to(device).eval()
+        with torch.no_grad(), autocast():
+            for prompt in prompts:
+                settings = flux_sample_settings(prompt)
+                key = (settings.prompt, settings.negative)
+                if key not in model.sample_conditioning:
+                    text = flux_sample_conditioning(model, *key, device=device)
+                    model.sample_conditioning[key] = {name: None if value is None else value.cpu()
+                                                      for name, value in text.items()}
+    finally:
+        for encoder, place, training in places:
+            encoder.to(place).train(training)
+    model.clip_l = model.t5xxl = None
