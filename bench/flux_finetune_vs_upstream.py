@@ -18,7 +18,10 @@ through the stochastic-rounding wrapper, fp32 working copies span by span); ours
 state, 4 bytes per parameter) with the fused backward pass, without and with ``--gradient_accumulation_steps 2``
 (upstream's fused pass takes Adafactor only). The same flags word for word on both sides otherwise: the 8 bundled
 captioned images at 256 px, batch 1, ``--cache_latents --cache_text_encoder_outputs``, ``--t5_tokens`` T5 tokens,
-lr 1e-5, seed 0, no data loader workers. No ``--blocks_to_swap``: our ``flux_train.py`` refuses it for now.
+lr 1e-5, seed 0, no data loader workers. The last two rows swap ``--blocks_to_swap 1`` (two single blocks; give
+``--single 4`` or more): upstream's recipe with it (both sides), and ours with StochasticAdamW, the fused pass and
+``--offload_optimizer_state``. On the CPU the host and the device are one memory, so these rows measure what the
+copies cost, not what they save (that is ``bench/gpu.py``'s section 6).
 
 Each run is a child process of its side's Python (``flux_vs_upstream``'s ``--child`` / ``--child-upstream``, which
 run ``vs_upstream.child``), its updates stamped at each LR-schedule tick (the fused pass steps without
@@ -56,6 +59,7 @@ from vs_upstream import cpu_bf16, git_head, harness_args, load_average, run_flag
 
 SR_FUSED = ["--mixed_precision", "bf16", "--optimizer_type", "StochasticAdamW", "--fused_backward_pass"]
 RECIPE = "full bf16, Adafactor, fused backward (upstream's recipe)"
+SWAP = "--blocks_to_swap 1"
 # row -> (its flags, whether upstream runs it)
 ROWS = {
     "mixed bf16, AdamW": (["--mixed_precision", "bf16", "--optimizer_type", "AdamW"], True),
@@ -63,6 +67,10 @@ ROWS = {
     "bf16, StochasticAdamW, fused backward": (SR_FUSED, False),
     "bf16, StochasticAdamW, fused backward, accumulation 2": ([*SR_FUSED, "--gradient_accumulation_steps", "2"],
                                                                False),
+    f"{RECIPE}, {SWAP}": (["--mixed_precision", "bf16", "--full_bf16", "--fused_backward_pass", *ADAFACTOR,
+                           *SWAP.split()], True),
+    f"bf16, StochasticAdamW, fused backward, {SWAP}, --offload_optimizer_state": (
+        [*SR_FUSED, *SWAP.split(), "--offload_optimizer_state"], False),
 }
 PRECISION_LINE = re.compile(r"bf16|bfloat16|dtype|precision|stochastic", re.IGNORECASE)
 
@@ -172,6 +180,9 @@ def parse() -> argparse.Namespace:
                         / f"flux-finetune-vs-upstream-{time.strftime('%Y-%m-%d')}.md")
     args = parser.parse_args()
     harness_args(parser, args, None)
+    swapping = [row for index, row in enumerate(ROWS) if index in args.rows and SWAP in row]
+    if swapping and args.single < 4:
+        parser.error(f"rows {', '.join(swapping)} swap two single blocks and keep two: give --single 4 or more")
     return args
 
 
