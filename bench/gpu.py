@@ -26,6 +26,11 @@ Without CUDA (and without ``--dry_run``) it prints why and exits 0 without writi
    gradient checkpointing: mixed bf16 AdamW, upstream's ``--full_bf16 --fused_backward_pass`` Adafactor recipe, and
    full bf16 StochasticAdamW unfused, fused and fused with accumulation 2: s/step and the loop's peak CUDA memory.
    It needs a run of its own: ``--sections 5``.
+6. FLUX.1 full fine-tuning (``bench/gpu_flux_finetune.py``): ``flux_train.py`` on ``builtin:flux-random`` (FLUX.1-dev
+   widths, 4 double + 8 single blocks) at 1024 px, batch 1, gradient checkpointing, bf16 weights: upstream's fused
+   Adafactor recipe and fused StochasticAdamW, each plain and with ``--blocks_to_swap 5``, and StochasticAdamW
+   swapped with ``--offload_optimizer_state``: s/step and the loop's peak CUDA memory. It needs a run of its own:
+   ``--sections 6``.
 
 ``--sections`` picks sections by number (default: all, in order).
 
@@ -59,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 from bench.gpu_checks import kernel_checks  # noqa: E402
 from bench.gpu_finetune import fine_tuning  # noqa: E402
 from bench.gpu_flux import flux_training  # noqa: E402
+from bench.gpu_flux_finetune import flux_fine_tuning  # noqa: E402
 from bench.gpu_sections import Budget, SectionFailed, Sizes, compiled_kernel, optimizer_step, sizes  # noqa: E402
 from bench.gpu_training import training  # noqa: E402
 from library.base.files import write_bytes_atomic  # noqa: E402
@@ -80,6 +86,7 @@ SECTIONS: list[tuple[str, Section]] = [
     ("3. Training", _training),
     ("4. FLUX.1 training", flux_training),
     ("5. Full fine-tuning, SDXL", fine_tuning),
+    ("6. FLUX.1 full fine-tuning", flux_fine_tuning),
 ]
 
 

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from bench.common import write_images
 from bench.gpu_sections import Budget, Sizes
 from bench.gpu_training import TrainingProbe, _row
@@ -42,13 +44,18 @@ ROWS = {
 
 
 class FineTuneProbe(TrainingProbe):
-    """``TrainingProbe`` running ``train_network.main`` as ``sdxl_train.py``."""
+    """``TrainingProbe`` running ``train_network.main`` as the full fine-tuning script ``script`` (its record in
+    ``entry_scripts()`` decides the family): ``sdxl_train.py`` here, ``flux_train.py`` in section 6."""
+
+    def __init__(self, device: torch.device, script: str = "sdxl_train.py") -> None:
+        super().__init__(device)
+        self.script = script
 
     def run(self, argv: list[str]) -> tuple[list[float], int | None]:
         import train_network
 
         main = train_network.main
-        train_network.main = functools.partial(main, family="sdxl", script="sdxl_train.py")
+        train_network.main = functools.partial(main, script=self.script)
         try:
             return super().run(argv)
         finally:
@@ -70,19 +77,20 @@ def fine_tuning(size: Sizes, budget: Budget, progress: Callable[[list[str]], Non
         write_images(folder / "data" / "10_shapes", size.sdxl_resolution)
         common = fine_tune_args(size, folder / "data", folder / "out")
         with FineTuneProbe(size.device) as probe:
-            lines = _rows(budget, progress, probe, common)
+            lines = fine_tune_rows(budget, progress, probe, common, ROWS)
     return [*lines, "", f"{size.sdxl_model}, U-Net trained, {size.sdxl_resolution} px, {size.steps} updates per "
             "row: s/step is the median duration of the updates after the last one that compiled (update 1 never "
             f"counts); flags of every row (folders left out): `{' '.join(common[4:-4])}`."]
 
 
-def _rows(budget: Budget, progress: Callable[[list[str]], None], probe: FineTuneProbe,
-          common: list[str]) -> list[str]:
+def fine_tune_rows(budget: Budget, progress: Callable[[list[str]], None], probe: FineTuneProbe, common: list[str],
+                   configurations: dict[str, list[str]]) -> list[str]:
+    """Run each configuration's flags after ``common`` (or skip it for the budget): the table, written as it grows."""
     head = ["| configuration | s/step (per-update median) | updates timed | peak CUDA memory, training loop, GiB |",
             "|---|---:|---:|---:|"]
     rows: list[str] = []
     last = 0.0
-    for label, flags in ROWS.items():
+    for label, flags in configurations.items():
         cell = f"| {label} |"
         if rows and budget.left() < 1.5 * last:  # the first row always runs
             rows.append(f"{cell} skipped (budget) | | |")

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from bench import gpu, gpu_finetune, gpu_flux, gpu_training
+from bench import gpu, gpu_finetune, gpu_flux, gpu_flux_finetune, gpu_training
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,6 +48,13 @@ def test_dry_run_writes_every_section_and_prints_the_median(tmp_path, capsys, mo
     [row] = [line for line in printed.splitlines() if line.startswith(f"| {fused} |")][:1]
     assert float(row.split("|")[2]) > 0 and int(row.split("|")[3]) == 3  # sdxl_train.py, fused + accumulation
     assert "builtin:tiny-sdxl, U-Net trained, 64 px" in report
+    # FLUX.1 fine-tuning: tiny-flux at 4 double + 8 single blocks allows --blocks_to_swap 5; every row printed twice
+    labels = list(gpu_flux_finetune.configurations(gpu_flux_finetune.MODELS["cpu"]))
+    fine = [line for line in printed.splitlines() if line.startswith(tuple(f"| {label} |" for label in labels))]
+    assert [line.split("|")[1].strip() for line in fine] == labels * 2
+    assert "StochasticAdamW, fused backward, --blocks_to_swap 5, --offload_optimizer_state" in labels
+    assert all(float(line.split("|")[2]) > 0 and int(line.split("|")[3]) == 3 for line in fine)
+    assert "builtin:tiny-flux:double=4,single=8 written as files" in report
 
 
 def test_sections_picks_the_sections_to_run(tmp_path):
