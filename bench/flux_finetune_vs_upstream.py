@@ -18,10 +18,10 @@ through the stochastic-rounding wrapper, fp32 working copies span by span); ours
 state, 4 bytes per parameter) with the fused backward pass, without and with ``--gradient_accumulation_steps 2``
 (upstream's fused pass takes Adafactor only). The same flags word for word on both sides otherwise: the 8 bundled
 captioned images at 256 px, batch 1, ``--cache_latents --cache_text_encoder_outputs``, ``--t5_tokens`` T5 tokens,
-lr 1e-5, seed 0, no data loader workers. The last two rows swap ``--blocks_to_swap 1`` (two single blocks; give
-``--single 4`` or more): upstream's recipe with it (both sides), and ours with StochasticAdamW, the fused pass and
-``--offload_optimizer_state``. On the CPU the host and the device are one memory, so these rows measure what the
-copies cost, not what they save (that is ``bench/gpu.py``'s section 6).
+lr 1e-5, seed 0, no data loader workers. The last two rows swap ``--blocks_to_swap 1`` (two single blocks; upstream's
+rule needs ``--double 2 --single 4``): upstream's recipe with it (both sides), and ours with StochasticAdamW, the
+fused pass and ``--offload_optimizer_state``. On the CPU the host and the device are one memory, so these rows
+measure what the copies cost, not what they save (that is ``bench/gpu.py``'s section 6).
 
 Each run is a child process of its side's Python (``flux_vs_upstream``'s ``--child`` / ``--child-upstream``, which
 run ``vs_upstream.child``), its updates stamped at each LR-schedule tick (the fused pass steps without
@@ -56,6 +56,8 @@ from common import machine, publish, write_images  # noqa: E402
 from finetune_vs_upstream import ADAFACTOR, step_seconds  # noqa: E402
 from flux_vs_upstream import model_name, run_side, tokenizer_cache, write_model_files  # noqa: E402
 from vs_upstream import cpu_bf16, git_head, harness_args, load_average, run_flags, upstream_versions  # noqa: E402
+
+from library.families.flux.swap import max_blocks_to_swap  # noqa: E402
 
 SR_FUSED = ["--mixed_precision", "bf16", "--optimizer_type", "StochasticAdamW", "--fused_backward_pass"]
 RECIPE = "full bf16, Adafactor, fused backward (upstream's recipe)"
@@ -181,8 +183,9 @@ def parse() -> argparse.Namespace:
     args = parser.parse_args()
     harness_args(parser, args, None)
     swapping = [row for index, row in enumerate(ROWS) if index in args.rows and SWAP in row]
-    if swapping and args.single < 4:
-        parser.error(f"rows {', '.join(swapping)} swap two single blocks and keep two: give --single 4 or more")
+    if swapping and max_blocks_to_swap(args.double, args.single) < 1:
+        parser.error(f"rows {', '.join(swapping)} swap two single blocks, which upstream's rule allows with at least "
+                     "2 double and 4 single blocks: give --double 2 --single 4")
     return args
 
 
