@@ -78,7 +78,7 @@ def _in_dims(value: str) -> tuple[int, ...]:
     return dims
 
 
-def _regex_pairs(key: str, value: str, integer: bool) -> dict[str, Any]:
+def regex_pairs(key: str, value: str, integer: bool) -> dict[str, Any]:
     """``"regex=value,regex=value"`` (upstream ``parse_kv_pairs``); keeps the order, the first match wins."""
     pairs: dict[str, Any] = {}
     for item in (part.strip() for part in str(value).split(",")):
@@ -144,7 +144,7 @@ def parse_flux_network_args(network_dim: Any, network_alpha: Any, neuron_dropout
     if "in_dims" in given:
         flux.in_dims = _in_dims(given["in_dims"])
     if "network_reg_dims" in given:
-        flux.reg_dims = _regex_pairs("network_reg_dims", given["network_reg_dims"], integer=True)
+        flux.reg_dims = regex_pairs("network_reg_dims", given["network_reg_dims"], integer=True)
     if "network_reg_lrs" in given:
-        flux.reg_lrs = _regex_pairs("network_reg_lrs", given["network_reg_lrs"], integer=False)
+        flux.reg_lrs = regex_pairs("network_reg_lrs", given["network_reg_lrs"], integer=False)
     return args, flux
