@@ -18,6 +18,9 @@ run); a failed launch fails the tests of the runs it did not complete.
   process accumulating two bit for bit.
 * ``swap`` / ``no_swap``: ``--blocks_to_swap 5`` on the tiny FLUX with 4 double and 8 single blocks (fp8 base,
   gradient checkpointing), which upstream allows with DDP; the transformer's LoRA comes out as without swapping.
+* ``fine_tune_swap`` / ``fine_tune_no_swap``: the same for ``flux_train.py`` (full bf16 StochasticAdamW, fused
+  backward pass), where the swapped blocks' own weights are averaged and stepped inside backward: as without
+  swapping, bit for bit.
 """
 
 from __future__ import annotations
@@ -55,7 +58,10 @@ SWAP = ("--pretrained_model_name_or_path", "builtin:tiny-flux:double=4,single=8"
         "--network_train_unet_only", "--gradient_checkpointing", "--max_train_steps", "2")
 FINE_TUNE_FUSED = ("--optimizer_type", "SGD", "--max_train_steps", "3", "--save_every_n_steps", "1",
                    "--max_grad_norm", "0", "--fused_backward_pass", "--train_batch_size", "1")
-LAUNCHES = {"all": ("equivalence", "bf16", "bf16_resumed", "swap", "no_swap", "fine_tune_fused")}  # one start
+FINE_TUNE_SWAP = ("--pretrained_model_name_or_path", "builtin:tiny-flux:double=4,single=8", *FULL_BF16_SR,
+                  "--fused_backward_pass", "--max_train_steps", "2")
+LAUNCHES = {"all": ("equivalence", "bf16", "bf16_resumed", "swap", "no_swap", "fine_tune_fused", "fine_tune_swap",
+                    "fine_tune_no_swap")}  # one start
 
 
 def flux_fine_tune(args: list[str]) -> list[str]:
@@ -122,8 +128,11 @@ def plan(root: Path, two: Path) -> dict[str, dict]:
         "no_swap": (flux_args(out / "no_swap", *SWAP), {}),
         "fine_tune_fused": (flux_fine_tune(flux_args(out / "fine_tune_fused", *FINE_TUNE_FUSED, data=two)),
                             {"noise_by_image": True}),
+        "fine_tune_swap": (flux_fine_tune(flux_args(out / "fine_tune_swap", *FINE_TUNE_SWAP, "--blocks_to_swap", "5")),
+                           {}),
+        "fine_tune_no_swap": (flux_fine_tune(flux_args(out / "fine_tune_no_swap", *FINE_TUNE_SWAP)), {}),
     }
-    scripts = {"fine_tune_fused": "flux_train.py"}
+    scripts = dict.fromkeys(("fine_tune_fused", "fine_tune_swap", "fine_tune_no_swap"), "flux_train.py")
     return {name: {"name": name, "args": args, "inject": inject, "script": scripts.get(name)}
             for name, (args, inject) in runs.items()}
 
@@ -168,7 +177,8 @@ def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[st
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-@pytest.mark.parametrize("name", ["equivalence", "bf16", "bf16_resumed", "swap", "no_swap"])
+@pytest.mark.parametrize("name", ["equivalence", "bf16", "bf16_resumed", "swap", "no_swap", "fine_tune_swap",
+                                  "fine_tune_no_swap"])
 def test_both_processes_finish_with_bit_identical_weights(runs, name):
     assert exits(runs, name) == [0, 0]
     first, second = replicas(runs, name)
@@ -199,6 +209,13 @@ def test_blocks_to_swap_on_two_processes_trains_the_same_lora(runs):
     plain = load_file(output(runs, "no_swap") / "lora.safetensors")
     assert len(plain) == 3 * (4 * 10 + 8 * 3)
     assert differing(plain, swapped) == []
+
+
+def test_flux_train_swapping_trained_blocks_on_two_processes_equals_no_swapping(runs):
+    swapped, plain = (load_file(output(runs, name) / "lora.safetensors") for name in ("fine_tune_swap",
+                                                                                      "fine_tune_no_swap"))
+    assert any(key.startswith("single_blocks.7.") for key in swapped)  # the transformer's own weights
+    assert differing(swapped, plain) == []
 
 
 def test_two_processes_of_one_image_equal_one_process_of_two(runs, tmp_path):
