@@ -34,6 +34,7 @@ REF = load_file(str(DATA / "upstream_anima_vae.safetensors"))
 FILE_WEIGHTS = {k.removeprefix("vae."): v for k, v in REF.items() if k.startswith("vae.")}
 FP32_RTOL = 1e-5
 BF16_NORM_RTOL = 5e-2
+BF16_ULPS_RTOL = 2.0**-7  # two bf16 ulps at the largest value: another CPU's bf16 kernels (AVX2) round otherwise
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = FP32_RTOL) -> bool:
@@ -149,7 +150,8 @@ def upstream_rms_norm(self, x):
 
 def test_bf16_equals_upstream_but_for_the_rms_norm(tiny_file, monkeypatch):
     """The VAE cast to bf16 as the trainers cast it: normalization in bf16 exact; with upstream's bf16 RMS norm the
-    outputs equal upstream's, with diffusers' fp32 one they differ by bf16 rounding only."""
+    outputs equal upstream's (bit for bit on the CPU that wrote the data; within two bf16 ulps on an AVX2 one), with
+    diffusers' fp32 one they differ by up to a few per cent (bf16 rounding carried through the layers)."""
     from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageRMS_norm
 
     vae = anima_vae.load_vae(tiny_file, dtype=torch.bfloat16)
@@ -161,7 +163,7 @@ def test_bf16_equals_upstream_but_for_the_rms_norm(tiny_file, monkeypatch):
     assert close(latents, REF["latents_bf16"], BF16_NORM_RTOL) and close(pixels, REF["decoded_bf16"], BF16_NORM_RTOL)
     monkeypatch.setattr(QwenImageRMS_norm, "forward", upstream_rms_norm)
     latents, pixels = encode_decode(vae)
-    assert close(latents, REF["latents_bf16"]) and close(pixels, REF["decoded_bf16"])
+    assert close(latents, REF["latents_bf16"], BF16_ULPS_RTOL) and close(pixels, REF["decoded_bf16"], BF16_ULPS_RTOL)
 
 
 def conv_inputs(vae, monkeypatch) -> dict[str, list]:
