@@ -22,6 +22,8 @@ from typing import Any
 
 from torch import nn
 
+from networks.flux_groups import append_plain_groups
+
 log = logging.getLogger(__name__)
 
 
@@ -74,15 +76,7 @@ def part_groups(loras: Iterable[nn.Module], lr: float | None, ratio: float | Non
                 continue
             groups.append({"params": parts[kind], "lr": group_lr})
             names.append(f"reg_lr_{index}" + (" plus" if kind == "plus" else ""))
-    for kind in ("lora", "plus"):
-        if not plain[kind]:
-            continue
-        group_lr = None if lr is None else (lr * ratio if kind == "plus" else lr)
-        if not group_lr:
-            log.info("no learning rate for a group of LoRA parameters: they are not trained")
-            continue
-        groups.append({"params": plain[kind], "lr": group_lr})
-        names.append("plus" if kind == "plus" else "")
+    append_plain_groups(groups, names, plain, lr, ratio)
     return groups, names
 
 

@@ -62,6 +62,14 @@ def part_groups(loras: Iterable[nn.Module], lr: float | None, ratio: float | Non
             if by_regex[index][kind] and group_lr:
                 groups.append({"params": by_regex[index][kind], "lr": group_lr})
                 names.append(f"reg_lr_{index}" + (" plus" if kind == "plus" else ""))
+    append_plain_groups(groups, names, plain, lr, ratio)
+    return groups, names
+
+
+def append_plain_groups(groups: list[dict[str, Any]], names: list[str], plain: Mapping[str, list[nn.Parameter]],
+                        lr: float | None, ratio: float | None) -> None:
+    """The part's parameters no ``network_reg_lrs`` pattern took: a group at ``lr`` ("") and, with LoRA+, one of the
+    ``lora_up`` weights at ``lr * ratio`` ("plus"), as upstream's ``assemble_params`` ends; none without a rate."""
     for kind in ("lora", "plus"):
         if not plain[kind]:
             continue
@@ -71,4 +79,3 @@ def part_groups(loras: Iterable[nn.Module], lr: float | None, ratio: float | Non
             continue
         groups.append({"params": plain[kind], "lr": group_lr})
         names.append("plus" if kind == "plus" else "")
-    return groups, names

@@ -25,8 +25,6 @@ offered.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -45,27 +43,9 @@ from library.families.anima.layers import (
 )
 from library.families.anima.llm_adapter import LLMAdapter
 from library.families.anima.params import AnimaParams
+from library.families.block_hooks import BlockHooks, move
 
 STACK = "blocks"  # the one stack's name in ``block_hooks`` calls
-
-
-class BlockHooks(Protocol):
-    """What block swapping plugs into ``AnimaTransformer.block_hooks`` (see the module docstring)."""
-
-    def before_forward(self, model: AnimaTransformer) -> None: ...
-
-    def before_block(self, stack: str, index: int, inputs: tuple) -> None: ...
-
-    def after_block(self, stack: str, index: int) -> None: ...
-
-
-def _move(value, device: torch.device | str):
-    """Tensors (also inside tuples) to ``device``; anything else unchanged."""
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(_move(item, device) for item in value)
-    return value
 
 
 class Block(nn.Module):
@@ -162,7 +142,7 @@ class AnimaTransformer(nn.Module):
         return out
 
     def _offloaded_call(self, block: nn.Module, *inputs) -> Tensor:
-        return _move(block(*_move(inputs, self.compute_device)), "cpu")
+        return move(block(*move(inputs, self.compute_device)), "cpu")
 
     def text_context(self, context: Tensor, target_input_ids: Tensor, target_attention_mask: Tensor | None = None,
                      source_attention_mask: Tensor | None = None) -> Tensor:

@@ -16,36 +16,17 @@ weights out/in), as upstream's ``ModelOffloader`` ``wait_for_block`` / ``submit_
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from library.families.block_hooks import BlockHooks, move
 from library.families.flux.blocks import DoubleStreamBlock, SingleStreamBlock
 from library.families.flux.layers import EmbedND, LastLayer, MLPEmbedder, timestep_embedding
 from library.families.flux.params import FluxParams
 
 STACKS = ("double", "single")
-
-
-class BlockHooks(Protocol):
-    """What block swapping plugs into ``FluxTransformer.block_hooks`` (see the module docstring)."""
-
-    def before_forward(self, model: FluxTransformer) -> None: ...
-
-    def before_block(self, stack: str, index: int, inputs: tuple) -> None: ...
-
-    def after_block(self, stack: str, index: int) -> None: ...
-
-
-def _move(value, device: torch.device | str):
-    """Tensors (also inside tuples) to ``device``; anything else unchanged."""
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return tuple(_move(item, device) for item in value)
-    return value
 
 
 class BlockStack(nn.Module):
@@ -123,7 +104,7 @@ class BlockStack(nn.Module):
 
     def _offloaded_call(self, block: nn.Module, *inputs):
         """Inputs to the compute device, outputs to the CPU (upstream's ``to_cuda``/``to_cpu`` wrapper)."""
-        return _move(block(*_move(inputs, self.compute_device)), "cpu")
+        return move(block(*move(inputs, self.compute_device)), "cpu")
 
 
 class FluxTransformer(BlockStack):
