@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from library.families.anima.spec import SPEC as ANIMA
 from library.families.flux.spec import FINE_TUNE as FLUX_FINE_TUNE
 from library.families.flux.spec import SPEC as FLUX
 from library.families.sd.spec import DREAMBOOTH as SD_DREAMBOOTH
@@ -17,7 +18,7 @@ from library.families.sdxl.spec import FINE_TUNE as SDXL_FINE_TUNE
 from library.families.sdxl.spec import SPEC as SDXL
 from library.families.spec import FamilySpec
 
-FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (SD, SDXL, FLUX)}
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (SD, SDXL, FLUX, ANIMA)}
 
 # The full fine-tuning scripts' records (each family's LoRA script is its record in ``FAMILIES``).
 FINE_TUNING: tuple[FamilySpec, ...] = (SD_FINE_TUNE, SD_DREAMBOOTH, SDXL_FINE_TUNE, FLUX_FINE_TUNE)
