@@ -63,7 +63,12 @@ def per_sample_loss(pred: torch.Tensor, target: torch.Tensor, timesteps: torch.T
     sd-scripts' ``train_util.apply_masked_loss`` does. The order follows sd-scripts' ``train_network.py``.
     """
     c = huber_c(timesteps, cfg, alphas_cumprod).to(pred.device) if cfg.loss_type in ("huber", "smooth_l1") else None
-    loss = elementwise_loss(pred.float(), target.float(), cfg.loss_type, c)
+    return masked_mean(elementwise_loss(pred.float(), target.float(), cfg.loss_type, c), mask)
+
+
+def masked_mean(loss: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """An elementwise loss [B, C, H, W] times ``mask`` if given ([B, h, w] or [B, 1, h, w] at any resolution,
+    area-interpolated to the latent size as sd-scripts' ``train_util.apply_masked_loss``), averaged per sample: [B]."""
     if mask is not None:
         mask = mask.float()
         if mask.ndim == 3:

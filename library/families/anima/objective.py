@@ -20,11 +20,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from library.config import LossConfig, NoiseConfig
 from library.objectives.base import Predict
-from library.objectives.loss import elementwise_loss
+from library.objectives.loss import elementwise_loss, masked_mean
 
 NUM_TRAIN_TIMESTEPS = 1000
 
@@ -159,8 +158,5 @@ class AnimaObjective:
         per_element = elementwise_loss(pred.float(), (drawn - latents).float(), loss.loss_type, c)
         weighting = loss_weighting(self.flow.weighting_scheme, sigmas).view(-1, *(1,) * (per_element.ndim - 1))
         per_element = per_element * weighting
-        if mask is not None:
-            mask = mask.float() if mask.ndim == 4 else mask.float().unsqueeze(1)
-            per_element = per_element * F.interpolate(mask, size=per_element.shape[2:], mode="area")
-        per_image = per_element.mean(dim=list(range(1, per_element.ndim)))
+        per_image = masked_mean(per_element, mask)
         return (per_image * weights.to(device=per_image.device, dtype=torch.float32)).mean()

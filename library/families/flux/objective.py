@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from library.config import LossConfig, NoiseConfig
 from library.families.flux.flow import (
@@ -32,7 +31,7 @@ from library.families.flux.flow import (
 )
 from library.families.flux.flow_timesteps import sample_noisy_model_input
 from library.objectives.base import Predict
-from library.objectives.loss import elementwise_loss
+from library.objectives.loss import elementwise_loss, masked_mean
 
 
 def flow_huber_c(timesteps: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
@@ -73,8 +72,5 @@ class FlowObjective:
         per_element = elementwise_loss(pred.float(), flow_target(drawn, latents).float(), loss.loss_type, c)
         if weighting is not None:
             per_element = per_element * weighting
-        if mask is not None:
-            mask = mask.float() if mask.ndim == 4 else mask.float().unsqueeze(1)
-            per_element = per_element * F.interpolate(mask, size=per_element.shape[2:], mode="area")
-        per_image = per_element.mean(dim=list(range(1, per_element.ndim)))
+        per_image = masked_mean(per_element, mask)
         return (per_image * weights.to(device=per_image.device, dtype=torch.float32)).mean()
