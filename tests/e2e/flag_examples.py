@@ -44,7 +44,8 @@ def shared_flags() -> dict[str, dict[str, argparse.Action]]:
 
 
 # Each family's tiny model, by family name: a new family adds its line.
-TINY = {"sd": "builtin:tiny-sd15", "sdxl": "builtin:tiny-sdxl", "flux": "builtin:tiny-flux"}
+TINY = {"sd": "builtin:tiny-sd15", "sdxl": "builtin:tiny-sdxl", "flux": "builtin:tiny-flux",
+        "anima": "builtin:tiny-anima"}
 
 
 def base_args(family: str, data: Path, out: Path) -> list[str]:
@@ -116,10 +117,12 @@ def _masks(inputs: Inputs) -> list[str]:
 
 
 def _tiny_vae(inputs: Inputs) -> list[str]:
-    """The VAE of the family's tiny model written as files: a diffusers folder's ``vae/``, or FLUX.1's AE file."""
+    """The VAE of the family's tiny model written as files: a diffusers folder's ``vae/``, FLUX.1's AE file or
+    Anima's Qwen-Image VAE file."""
     out = inputs.tmp / "tiny"
     registered_families()[inputs.family].write_tiny(out)
-    return [str(next(path for path in (out / "vae", out / "ae.safetensors") if path.exists()))]
+    files = (out / "vae", out / "ae.safetensors", out / "qwen_image_vae.safetensors")
+    return [str(next(path for path in files if path.exists()))]
 
 
 def _tensorboard(inputs: Inputs) -> list[str]:
