@@ -9,6 +9,9 @@ class TextOutputCaching:
 
     cache_text_encoder_outputs: bool
     cache_text_encoder_outputs_to_disk: bool
+    # captions per batch when caching (upstream ``--text_encoder_batch_size``, ``add_dit_training_arguments``); a
+    # section without the flag (SDXL's: upstream's sdxl scripts lack it) caches in batches of --train_batch_size
+    text_encoder_batch_size: int | None = None
 
     @property
     def caches_text_encoder_outputs(self) -> bool:

@@ -299,9 +299,9 @@ def _models(cfg: TrainConfig, ready: Prepared, processes: process_group.Processe
     caches_text, to_disk = family.text_output_cache(section)
     if caches_text:
         encode_caches.cache_text_encoder_outputs(
-            data, model, family, policy, device, to_disk, max_token_length=cfg.model.max_token_length,
-            batch_size=cfg.data.train_batch_size, suffix=cfg.family.text_cache_suffix, progress=caching,
-            weighted=cfg.model.weighted_captions, share=processes.owns_item, wait=processes.caching_done)
+            data, model, family, policy, device, to_disk, cfg.model.max_token_length,
+            section.text_encoder_batch_size or cfg.data.train_batch_size, cfg.family.text_cache_suffix,
+            cfg.model.weighted_captions, share=processes.owns_item, wait=processes.caching_done, progress=caching)
         if not train_te:  # frozen, and read from now on by sample prompts alone
             family.release_text_encoders(model, ready.samples, device, policy)
     clock = model_setup.compile_unet(model, cfg.precision, cfg.family.denoiser_name,
