@@ -26,6 +26,7 @@ from torch import nn
 
 from library.base.errors import UserError
 from networks.families import LoRAFamily, no_block
+from networks.lora_modules import iter_target_layers
 
 PREFIX_DIT = "lora_unet"
 PREFIX_QWEN3 = "lora_te"
@@ -49,17 +50,8 @@ class Candidate:
 
 def iter_candidates(root: nn.Module, prefix: str, target_classes: Sequence[str], is_dit: bool) -> Iterator[Candidate]:
     """The Linear / Conv2d layers inside every module of ``root`` whose class name is targeted, each once."""
-    seen: set[str] = set()
-    for path, module in root.named_modules():
-        if module.__class__.__name__ not in target_classes:
-            continue
-        for child_path, child in module.named_modules():
-            if not isinstance(child, (nn.Linear, nn.Conv2d)) or not child_path:
-                continue
-            full = f"{path}.{child_path}" if path else child_path
-            if full not in seen:
-                seen.add(full)
-                yield Candidate(f"{prefix}.{full}".replace(".", "_"), full, child, is_dit)
+    for path, layer in iter_target_layers(root, tuple(target_classes)):
+        yield Candidate(f"{prefix}.{path}".replace(".", "_"), path, layer, is_dit)
 
 
 def text_encoder_candidates(text_encoders: Sequence[nn.Module | None] | nn.Module | None) -> Iterator[Candidate]:

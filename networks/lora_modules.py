@@ -169,11 +169,27 @@ def block_index(lora_name: str) -> int:
     return -1
 
 
+def iter_target_layers(root: nn.Module,
+                       target_classes: tuple[str, ...]) -> Iterator[tuple[str, nn.Linear | nn.Conv2d]]:
+    """Yield ``(path, layer)`` for every Linear / Conv2d inside a module of ``root`` whose class name is targeted,
+    each path once, in ``named_modules`` order (sd-scripts' ``create_modules`` walk); ``path`` is the layer's module
+    path in ``root``."""
+    seen: set[str] = set()
+    for path, module in root.named_modules():
+        if module.__class__.__name__ not in target_classes:
+            continue
+        for child_path, child in module.named_modules():
+            full = f"{path}.{child_path}" if path else child_path
+            if isinstance(child, (nn.Linear, nn.Conv2d)) and child_path and full not in seen:
+                seen.add(full)
+                yield full, child
+
+
 def iter_targets(
     root: nn.Module, prefix: str, target_classes: tuple[str, ...], name_prefix: str = "",
     rename: Callable[[str], str] | None = None,
 ) -> Iterator[tuple[str, nn.Linear | nn.Conv2d]]:
-    """Yield ``(lora_name, layer)`` for every Linear / Conv2d inside a module whose class name is targeted.
+    """Yield ``(lora_name, layer)`` for every layer of ``iter_target_layers``.
 
     ``lora_name`` = prefix + "." + module path + "." + child path with "." -> "_" (sd-scripts' names).
     ``name_prefix`` is inserted before the module path (``"text_model."`` for a transformers 5 CLIPTextModel,
@@ -181,17 +197,11 @@ def iter_targets(
     original-layout names, ``networks/families.py``).
     """
     seen: set[str] = set()
-    for path, module in root.named_modules():
-        if module.__class__.__name__ not in target_classes:
-            continue
-        for child_path, child in module.named_modules():
-            if not isinstance(child, (nn.Linear, nn.Conv2d)) or not child_path:
-                continue
-            full = f"{path}.{child_path}"
-            name = f"{prefix}.{name_prefix}{rename(full) if rename else full}".replace(".", "_")
-            if name not in seen:
-                seen.add(name)
-                yield name, child
+    for full, child in iter_target_layers(root, target_classes):
+        name = f"{prefix}.{name_prefix}{rename(full) if rename else full}".replace(".", "_")
+        if name not in seen:
+            seen.add(name)
+            yield name, child
 
 
 def text_model_prefix(text_encoder: nn.Module) -> str:
