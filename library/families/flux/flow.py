@@ -1,17 +1,16 @@
-"""FLUX.1 rectified-flow training math as pure functions, equal to sd-scripts 48d368fa.
+"""FLUX.1's own rectified-flow training pieces as pure functions, equal to sd-scripts 48d368fa; the math FLUX shares
+with other flow-matching families (timestep sampling, the scheduler table, time shift, loss weighting, target) is
+``library/objectives/flow_matching.py``, named here for FLUX's code.
 
 What each piece reproduces (upstream file / function):
 
 * ``pack_latents`` / ``unpack_latents`` / ``image_ids``: ``library/flux_utils.py`` ``pack_latents``,
   ``unpack_latents``, ``prepare_img_ids``; ``text_ids``: the zeros ``strategy_flux.FluxTextEncodingStrategy``
   makes for the T5 tokens.
-* ``time_shift``, ``lin_function``, ``flux_shift_mu``: ``library/flux_train_utils.py`` ``time_shift`` and
-  ``get_lin_function``.
-* ``FlowMatchSchedule`` / ``flow_match_schedule``: the ``timesteps`` and ``sigmas`` tables of
-  ``library/sd3_train_utils.py`` ``FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000,
-  shift=--discrete_flow_shift)``, the scheduler ``flux_train_network.FluxNetworkTrainer.get_noise_scheduler`` makes.
-* ``loss_weighting``, ``apply_model_prediction_type``, ``flow_target``: ``compute_loss_weighting_for_sd3``,
-  ``apply_model_prediction_type`` and the target of ``FluxNetworkTrainer.get_noise_pred_and_target``.
+* ``flux_shift_mu``: the resolution-dependent ``mu`` of ``flux_train_utils`` (``get_lin_function`` at the packed
+  length), ``flow_matching.resolution_shift_mu``.
+* ``apply_model_prediction_type``, ``training_guidance``: ``flux_train_utils.apply_model_prediction_type`` and the
+  guidance input of ``FluxNetworkTrainer.get_noise_pred_and_target``.
 
 The timestep samplers are in ``flow_timesteps.py``, the sample-image schedule and Euler step in ``flow_sampling.py``.
 
@@ -24,16 +23,30 @@ its ``post_process_loss`` ignores min-SNR, debiased estimation and the v-predict
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-NUM_TRAIN_TIMESTEPS = 1000
-TIMESTEP_SAMPLINGS = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
+from library.objectives.flow_matching import (
+    NUM_TRAIN_TIMESTEPS,
+    TIMESTEP_SAMPLINGS,
+    WEIGHTING_SCHEMES,
+    FlowMatchSchedule,
+    flow_match_schedule,
+    flow_target,
+    lin_function,
+    loss_weighting,
+    model_timesteps,
+    time_shift,
+)
+from library.objectives.flow_matching import resolution_shift_mu as flux_shift_mu
+
+__all__ = ["MODEL_PREDICTION_TYPES", "NUM_TRAIN_TIMESTEPS", "TIMESTEP_SAMPLINGS", "WEIGHTING_SCHEMES", "FlowConfig",
+           "FlowMatchSchedule", "apply_model_prediction_type", "flow_match_schedule", "flow_target", "flux_shift_mu",
+           "image_ids", "lin_function", "loss_weighting", "model_timesteps", "pack_latents", "text_ids", "time_shift",
+           "training_guidance", "unpack_latents"]
+
 MODEL_PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")
-WEIGHTING_SCHEMES = ("sigma_sqrt", "logit_normal", "mode", "cosmap", "none", "uniform")
 
 
 @dataclass(frozen=True)
@@ -105,75 +118,7 @@ def training_guidance(batch: int, guidance_scale: float, device: torch.device | 
     return torch.full((batch,), float(guidance_scale), device=device, dtype=torch.float32)
 
 
-def model_timesteps(timesteps: torch.Tensor) -> torch.Tensor:
-    """What the DiT receives: the sampler's timesteps in [0, 1000] divided by 1000 (``get_noise_pred_and_target``)."""
-    return timesteps / NUM_TRAIN_TIMESTEPS
-
-
-# ------------------------------------------------------------------------------------------------------ shifting
-
-
-def time_shift(mu: float, sigma: float, t: torch.Tensor) -> torch.Tensor:
-    """``flux_train_utils.time_shift``: ``e^mu / (e^mu + (1/t - 1)^sigma)`` (t = 0 gives 0, t = 1 gives 1)."""
-    scale = math.exp(mu)
-    return scale / (scale + (1 / t - 1) ** sigma)
-
-
-def lin_function(x1: float = 256, y1: float = 0.5, x2: float = 4096,
-                 y2: float = 1.15) -> Callable[[float], float]:
-    """``flux_train_utils.get_lin_function``: the line through ``(x1, y1)`` and ``(x2, y2)``, as a function of x."""
-    slope = (y2 - y1) / (x2 - x1)
-    intercept = y1 - slope * x1
-    return lambda x: slope * x + intercept
-
-
-def flux_shift_mu(image_seq_len: int, base_shift: float = 0.5, max_shift: float = 1.15) -> float:
-    """The resolution-dependent ``mu`` of ``--timestep_sampling flux_shift`` and of ``get_schedule``: the line
-    through ``(256, base_shift)`` and ``(4096, max_shift)`` at the packed sequence length."""
-    return lin_function(y1=base_shift, y2=max_shift)(image_seq_len)
-
-
-# ---------------------------------------------------------------------------------------------------- schedule
-
-
-@dataclass(frozen=True)
-class FlowMatchSchedule:
-    """The tables of ``sd3_train_utils.FlowMatchEulerDiscreteScheduler``: ``timesteps`` 1000 .. ~1 (shifted) and
-    ``sigmas = timesteps / 1000``, both fp32, index 0 the noisiest."""
-
-    timesteps: torch.Tensor
-    sigmas: torch.Tensor
-
-    @property
-    def num_train_timesteps(self) -> int:
-        return self.sigmas.shape[0]
-
-
-def flow_match_schedule(shift: float, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS,
-                        device: torch.device | str | None = None) -> FlowMatchSchedule:
-    """``FlowMatchEulerDiscreteScheduler.__init__``: t = N, N-1, .., 1, s = t / N,
-    ``sigma = shift * s / (1 + (shift - 1) * s)``, timesteps = sigma * N (fp32, made on ``device``)."""
-    base = torch.arange(num_train_timesteps, 0, -1, device=device, dtype=torch.float32) / num_train_timesteps
-    sigmas = shift * base / (1 + (shift - 1) * base)
-    return FlowMatchSchedule(timesteps=sigmas * num_train_timesteps, sigmas=sigmas)
-
-
 # -------------------------------------------------------------------------------------------- prediction and loss
-
-
-def flow_target(noise: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-    """The flow-matching target, ``noise - latents`` for every prediction type (``get_noise_pred_and_target``)."""
-    return noise - latents
-
-
-def loss_weighting(weighting_scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
-    """``flux_train_utils.compute_loss_weighting_for_sd3``: sigma_sqrt ``sigma^-2`` (fp32), cosmap
-    ``2 / (pi * (1 - 2 sigma + 2 sigma^2))``, every other scheme ones."""
-    if weighting_scheme == "sigma_sqrt":
-        return (sigmas ** -2.0).float()
-    if weighting_scheme == "cosmap":
-        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas ** 2))
-    return torch.ones_like(sigmas)
 
 
 def apply_model_prediction_type(config: FlowConfig, model_pred: torch.Tensor, noisy_model_input: torch.Tensor,

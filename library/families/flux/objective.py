@@ -7,7 +7,8 @@ dtype; the prediction through ``predict`` (the family packs, adds ids and guidan
 ``--model_prediction_type`` and its weighting; the target ``noise - latents``; the elementwise ``--loss_type`` loss
 times that weighting and the loss mask, averaged per image, times the dataset's loss weights, averaged. No
 SNR-based weighting applies (upstream's ``post_process_loss`` for FLUX returns the loss as it is); the Huber
-parameter follows ``--huber_schedule`` constant or exponential over the 1000 training timesteps (snr is refused).
+parameter follows ``--huber_schedule`` constant or exponential over the 1000 training timesteps (snr is refused;
+``flow_matching.flow_huber_c``).
 Validation's fixed timesteps (``--min_timestep`` = ``--max_timestep`` per pass) do not reach FLUX's samplers, as in
 upstream, whose flow-matching sampler ignores both: each of a batch's 4 validation passes draws its own noise level,
 from the validation's seeded generator here (so the validation loss is the same at every validation).
@@ -15,37 +16,24 @@ from the validation's seeded generator here (so the validation loss is the same 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from library.config import LossConfig, NoiseConfig
-from library.families.flux.flow import (
+from library.families.flux.flow import FlowConfig, apply_model_prediction_type
+from library.families.flux.flow_timesteps import sample_noisy_model_input
+from library.objectives.base import Predict
+from library.objectives.flow_matching import (
     NUM_TRAIN_TIMESTEPS,
-    FlowConfig,
     FlowMatchSchedule,
-    apply_model_prediction_type,
+    flow_huber_c,
     flow_match_schedule,
     flow_target,
 )
-from library.families.flux.flow_timesteps import sample_noisy_model_input
-from library.objectives.base import Predict
 from library.objectives.loss import elementwise_loss, masked_mean
 
-
-def flow_huber_c(timesteps: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """``train_util.get_huber_threshold_if_needed`` for a flow-matching run: constant ``huber_c * huber_scale``, or
-    exponential ``exp(-(-ln(huber_c) / 1000) * t) * huber_scale``. ``snr`` needs a DDPM schedule's alphas_cumprod,
-    which upstream raises NotImplementedError for; ``flux_script_problems`` refuses it before anything loads, and any
-    schedule other than these two is an error here too, never a silent constant."""
-    steps = timesteps.float()
-    if cfg.huber_schedule == "exponential":
-        return torch.exp(math.log(cfg.huber_c) / NUM_TRAIN_TIMESTEPS * steps) * cfg.huber_scale
-    if cfg.huber_schedule == "constant":
-        return torch.full_like(steps, cfg.huber_c * cfg.huber_scale)
-    raise ValueError(f"--huber_schedule {cfg.huber_schedule}: flow matching has only the constant and exponential "
-                     "Huber schedules")
+__all__ = ["FlowObjective", "flow_huber_c"]
 
 
 @dataclass(frozen=True)

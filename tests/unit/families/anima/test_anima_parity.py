@@ -28,17 +28,11 @@ from safetensors.torch import load_file
 
 from library.families.anima.model import AnimaTransformer
 from library.families.anima.params import TINY
+from tests.parity import close
 
 DATA = Path(__file__).resolve().parents[3] / "data"
 FACTS = json.loads((DATA / "upstream_anima_parity.json").read_text())
 REF = load_file(str(DATA / "upstream_anima_parity.safetensors"))
-FP32_RTOL = 1e-5
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Equal to fp32 rounding: the largest difference within ``FP32_RTOL`` of ``expected``'s largest magnitude."""
-    worst = (actual.float() - expected.float()).abs().max()
-    return actual.shape == expected.shape and bool(worst <= FP32_RTOL * expected.float().abs().max())
 
 
 def upstream_weights() -> dict[str, torch.Tensor]:

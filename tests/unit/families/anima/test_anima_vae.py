@@ -17,6 +17,7 @@ in, bf16 results equal too; as shipped they differ by bf16 rounding (about 2 % o
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -27,21 +28,17 @@ from safetensors.torch import load_file, save_file
 from library.base.errors import UserError
 from library.families.anima import vae as anima_vae
 from library.families.model_files import CONFIG_METADATA_KEY
+from tests import parity
 
 DATA = Path(__file__).resolve().parents[3] / "data"
 FACTS = json.loads((DATA / "upstream_anima_vae.json").read_text())
 REF = load_file(str(DATA / "upstream_anima_vae.safetensors"))
 FILE_WEIGHTS = {k.removeprefix("vae."): v for k, v in REF.items() if k.startswith("vae.")}
-FP32_RTOL = 1e-5
 BF16_NORM_RTOL = 5e-2
 BF16_ULPS_RTOL = 2.0**-7  # two bf16 ulps at the largest value: another CPU's bf16 kernels (AVX2) round otherwise
 
 
-def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = FP32_RTOL) -> bool:
-    """Equal to ``rtol`` of ``expected``'s largest magnitude, shapes and dtypes equal."""
-    worst = (actual.float() - expected.float()).abs().max()
-    same_kind = actual.shape == expected.shape and actual.dtype == expected.dtype
-    return same_kind and bool(worst <= rtol * expected.float().abs().max())
+close = partial(parity.close, same_dtype=True)  # within ``rtol`` (default fp32's) of the largest value, same dtype
 
 
 def upstream_rename(key: str) -> str:

@@ -38,17 +38,12 @@ from library.families.flux.chroma_layers import ChromaParams
 from library.families.flux.parts import TINY_CONFIGS, assemble, build_ae, build_t5xxl, part_config
 from library.families.registry import model_family
 from library.train.network_setup import build_network
+from tests.parity import FP32_RTOL, max_relative
 
 DATA = Path(__file__).resolve().parents[3] / "data"
 FACTS = json.loads((DATA / "upstream_chroma_parity.json").read_text())
 REF = load_file(str(DATA / "upstream_chroma_parity.safetensors"))
-FP32_RTOL = 1e-5
 UNUSED_UPSTREAM_FIELDS = ("guidance_embed", "_use_compiled")
-
-
-def max_relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest elementwise difference over the largest magnitude of ``expected``."""
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
 
 def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -57,20 +57,15 @@ from library.families.flux.parts import REAL_CONFIGS, load_clip_tokenizer, load_
 from library.families.flux.text_encoding import encode_prompts
 from library.families.model_files import CONFIG_METADATA_KEY
 from networks import lora_flux
+from tests.parity import FP32_RTOL, max_relative
 
 DATA = Path(__file__).resolve().parents[3] / "data"
 FACTS = json.loads((DATA / "upstream_flux_parity.json").read_text())
 REF = load_file(str(DATA / "upstream_flux_parity.safetensors"))
-FP32_RTOL = 1e-5
 BF16_UNIT_ROUNDOFF = 2.0**-8
 BF16_STAGES = FACTS["flux_params"]["depth"] + FACTS["flux_params"]["depth_single_blocks"] + 2
 BF16_RTOL = BF16_STAGES * BF16_UNIT_ROUNDOFF
 BF16_LOSS_RTOL = 1e-3
-
-
-def max_relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest elementwise difference over the largest magnitude of ``expected``."""
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
 
 def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -58,6 +58,7 @@ from library.train.accumulation import build_accumulation
 from library.train.steps import StepPlan
 from library.train.update import make_updater
 from networks import lora_flux
+from tests.parity import max_relative
 from tests.upstream_harness import has_harness, run_generator
 
 DATA = Path(__file__).resolve().parents[3] / "data"
@@ -75,11 +76,6 @@ def stored(ref: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]
 @pytest.fixture(scope="module")
 def ref() -> dict[str, torch.Tensor]:
     return load_file(str(DATA / "upstream_flux_parity.safetensors"))
-
-
-def max_relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest elementwise difference over the largest magnitude of ``expected``."""
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
 
 @pytest.fixture(scope="module")
