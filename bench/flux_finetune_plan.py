@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from library.families.block_swap import movable_weights  # noqa: E402
 from library.families.flux.model import FluxTransformer  # noqa: E402
 from library.families.flux.params import DEV  # noqa: E402
-from library.families.flux.swap import max_blocks_to_swap, movable_weights, swap_split  # noqa: E402
+from library.families.flux.swap import max_blocks_to_swap, swap_split  # noqa: E402
 
 GIB = 2**30
 WEIGHT_BYTES = 2  # bf16 weights (flux_train.py under --mixed_precision bf16)

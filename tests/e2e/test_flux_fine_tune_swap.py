@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 import train_network
+from library.families.block_swap import Move
 from library.families.flux.builtin import build_builtin_flux
-from library.families.flux.swap import FluxBlockSwap, Move
+from library.families.flux.swap import FluxBlockSwap
 from tests.e2e.test_fine_tune import images
 from tests.e2e.test_flux_fine_tune import common
 

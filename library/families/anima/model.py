@@ -14,20 +14,17 @@ runs the adapter; else ``context`` is the adapter's output already. ``padding_ma
 (nearest) to the latent size and becomes a 17th input channel; upstream's trainer and sampler pass zeros, which is
 what ``None`` means here.
 
-**Block loop.** Every block runs through ``run_block(index, *inputs)``: gradient checkpointing per block
-(``enable_gradient_checkpointing``; ``use_reentrant=False``; with ``cpu_offload`` the checkpointed outputs are moved to
-the CPU and a block's inputs to the compute device) and the ``block_hooks`` of block swapping, called as the FLUX.1
-transformer calls them (``before_forward(model)``, ``before_block("blocks", index, inputs)``,
-``after_block("blocks", index)``). The FLUX.1 package's ``BlockStack`` is not reused: a family imports no other
-family's modules, and it is built around FLUX.1's two stacks. Upstream's ``unsloth_offload`` checkpointing is not
-offered.
+**Block loop.** Every block runs through ``run_block(index, *inputs)``, which is ``block_hooks.run_block`` (shared
+with the FLUX.1 transformer): gradient checkpointing per block (``enable_gradient_checkpointing``;
+``use_reentrant=False``; with ``cpu_offload`` the checkpointed outputs are moved to the CPU and a block's inputs to
+the compute device) and the ``block_hooks`` of block swapping (``--blocks_to_swap``, ``swap.py``: the one stack
+``blocks``, as upstream's ``Anima.enable_block_swap``). Upstream's ``unsloth_offload`` checkpointing is not offered.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from library.families.anima.layers import (
     Attention,
@@ -43,7 +40,7 @@ from library.families.anima.layers import (
 )
 from library.families.anima.llm_adapter import LLMAdapter
 from library.families.anima.params import AnimaParams
-from library.families.block_hooks import BlockHooks, move
+from library.families.block_hooks import BlockHooks, run_block
 
 STACK = "blocks"  # the one stack's name in ``block_hooks`` calls
 
@@ -127,22 +124,9 @@ class AnimaTransformer(nn.Module):
         self.cpu_offload_checkpointing = False
 
     def run_block(self, index: int, *inputs) -> Tensor:
-        """Run block ``index`` on ``inputs``: the one place the block loop goes through (hooks, checkpointing)."""
-        if self.block_hooks is not None:
-            self.block_hooks.before_block(STACK, index, inputs)
-        block = self.blocks[index]
-        if not (self.training and self.gradient_checkpointing):
-            out = block(*inputs)
-        elif self.cpu_offload_checkpointing:
-            out = checkpoint(self._offloaded_call, block, *inputs, use_reentrant=False)
-        else:
-            out = checkpoint(block, *inputs, use_reentrant=False)
-        if self.block_hooks is not None:
-            self.block_hooks.after_block(STACK, index)
-        return out
-
-    def _offloaded_call(self, block: nn.Module, *inputs) -> Tensor:
-        return move(block(*move(inputs, self.compute_device)), "cpu")
+        """Run block ``index`` on ``inputs``: the one place the block loop goes through (``block_hooks.run_block``:
+        hooks, checkpointing, CPU offload of checkpointed activations)."""
+        return run_block(self, STACK, index, self.blocks[index], inputs)
 
     def text_context(self, context: Tensor, target_input_ids: Tensor, target_attention_mask: Tensor | None = None,
                      source_attention_mask: Tensor | None = None) -> Tensor:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from library.families.block_hooks import BlockHooks, move
+from library.families.block_hooks import BlockHooks, run_block
 from library.families.flux.blocks import DoubleStreamBlock, SingleStreamBlock
 from library.families.flux.layers import EmbedND, LastLayer, MLPEmbedder, timestep_embedding
 from library.families.flux.params import FluxParams
@@ -87,24 +87,9 @@ class BlockStack(nn.Module):
         return (self.double_blocks if stack == "double" else self.single_blocks)[index]
 
     def run_block(self, stack: str, index: int, *inputs):
-        """Run block ``index`` of ``stack`` on ``inputs``: the single place the block loop goes through (hooks,
-        checkpointing, CPU offload of checkpointed activations)."""
-        if self.block_hooks is not None:
-            self.block_hooks.before_block(stack, index, inputs)
-        block = self.block(stack, index)
-        if not self._checkpointing():
-            out = block(*inputs)
-        elif self.cpu_offload_checkpointing:
-            out = checkpoint(self._offloaded_call, block, *inputs, use_reentrant=False)
-        else:
-            out = checkpoint(block, *inputs, use_reentrant=False)
-        if self.block_hooks is not None:
-            self.block_hooks.after_block(stack, index)
-        return out
-
-    def _offloaded_call(self, block: nn.Module, *inputs):
-        """Inputs to the compute device, outputs to the CPU (upstream's ``to_cuda``/``to_cpu`` wrapper)."""
-        return move(block(*move(inputs, self.compute_device)), "cpu")
+        """Run block ``index`` of ``stack`` on ``inputs``: the single place the block loop goes through
+        (``block_hooks.run_block``: hooks, checkpointing, CPU offload of checkpointed activations)."""
+        return run_block(self, stack, index, self.block(stack, index), inputs)
 
 
 class FluxTransformer(BlockStack):

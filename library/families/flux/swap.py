@@ -1,70 +1,25 @@
-"""``--blocks_to_swap N`` for the FLUX.1 transformer: block weights kept in host memory and moved to the compute
-device around their use, as upstream sd-scripts 48d368fa ``library/custom_offloading_utils.py`` ``ModelOffloader``
-with ``flux_models.Flux.enable_block_swap`` / ``prepare_block_swap_before_forward``.
+"""``--blocks_to_swap N`` for the FLUX.1 (and Chroma) transformer: upstream sd-scripts 48d368fa
+``flux_models.Flux.enable_block_swap``'s split of N over the two stacks and its limit; the schedule, the copies and
+the placement are ``library/families/block_swap.py``'s (upstream ``custom_offloading_utils.ModelOffloader``).
 
 Split and limit (``Flux.enable_block_swap``): N blocks mean ``N // 2`` double blocks and ``(N - N // 2) * 2`` single
 blocks; each stack must keep two blocks on the device (at most ``depth - 2`` swapped), so FLUX.1-dev (19 double,
-38 single) allows N <= 35. Each stack has its own schedule; with k of its n blocks swapped:
+38 single) allows N <= 35. The vector input every block reads is why the backward hooks the blocks' input gradients
+rather than their full backward (``block_swap``'s docstring): swapping trains a LoRA (CLIP-L's too) and
+``flux_train.py``'s weights bit for bit as without it.
 
-- Placement before a forward: blocks ``0 .. n-k-1`` on the device, the last k on the host.
-- Training forward (grad enabled): before block i wait for its weights; after block i < k, block i leaves and block
-  ``n-k+i`` comes in, into the same device memory. After the forward blocks ``k .. n-1`` are on the device.
-- Backward: when block i's backward is done and before any of block i-1's runs, for ``n-k-1 <= i <= n-2`` block i+1
-  leaves and block ``i+k+1-n`` comes in; for ``1 <= i <= k`` the compute waits for block i-1. After the backward the
-  placement is the one a forward starts from. The ``k <= n-2`` limit is what lets each block arrive before the hook
-  that waits for it. Upstream hooks the blocks' full backward, which wraps every input of a block in one more autograd
-  node; that changes the order in which autograd sums the gradient of the vector input (which every block reads) over
-  the blocks, 1e-7 apart in fp32, enough to change a trained ``time_in``. Here a training forward hooks the gradients
-  of the block's input tensors instead (no node added) and the first one to fire is the moment: each is a hook of an
-  output node of block i-1 (or of what precedes the stack), and autograd runs the ready node created last first, so
-  the first of those nodes runs after every node of block i and above, before any other of block i-1.
-- Sampling forward (grad disabled, upstream's ``forward_only``): after every block i, block i leaves and block
-  ``(n-k+i) mod n`` comes in; the window of resident blocks turns once round and ends where it started.
-- ``before_forward`` restores the starting placement when a pass left it elsewhere (a training forward without its
-  backward, e.g. a stack without LoRA modules whose blocks get no gradient), which upstream leaves to explicit
-  ``prepare_block_swap_before_forward`` calls.
-
-What moves: the weight of every ``nn.Linear`` inside a swapped block (biases, RMSNorm scales and every layer outside
-the two stacks stay on the device, as upstream). A LoRA attached to them keeps its own parameters on the device
-(``networks.lora`` only wraps the layer's ``forward``), so only the frozen base weights move. ``flux_train.py`` swaps
-trained weights (upstream's ``flux_train.py`` too): each is stepped inside the backward pass while its block is on the
-device (the fused backward pass, which that script then requires: a block's weight gradients are complete before
-the hook that moves the block out fires), by an optimizer placed on the device (``optimizers.base`` ``place``: state
-and flat buffers stay there, or in host memory with ``--offload_optimizer_state``), and its updated values leave
-with it.
-
-Memory: each stack holds exactly n - k blocks' Linear weights on the device at all times. A move copies the
-leaving block's weights into fresh pinned host memory and the arriving block's weights into the device memory it
-vacated (upstream's in-place exchange), so tensors autograd saved in the forward (views of a weight) see their own
-block's weights again by the time their backward runs. Host: k blocks per stack, pinned on CUDA.
-
-Where we differ: upstream runs each exchange on a one-thread executor that synchronizes the host with the device
-twice per move; here every copy is queued on a separate CUDA stream, ordered with events (the copy waits for the
-compute that last read the memory, the compute waits for the copy), so the host never waits. On the CPU the same
-code runs with both sides on the CPU and the copies done at once, which is how the tests check the schedule.
+``flux_train.py`` swaps trained weights (upstream's ``flux_train.py`` too), stepped inside the backward pass (the
+fused backward pass, which that script then requires) by an optimizer placed on the device (``optimizers.base``
+``place``: state and flat buffers stay there, or in host memory with ``--offload_optimizer_state``).
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from dataclasses import dataclass
-
 import torch
-from torch import nn
 
 from library.base.errors import UserError
-from library.families.flux.model import FluxTransformer
-
-
-@dataclass(frozen=True)
-class Move:
-    """One exchange in ``stack``: block ``out`` to the host, block ``into`` to the device; ``phase`` is
-    ``forward``, ``sample``, ``backward`` or ``prepare``."""
-
-    stack: str
-    phase: str
-    out: int
-    into: int
+from library.families.block_swap import BlockSwap, install, most_swapped
+from library.families.flux.model import BlockStack
 
 
 def swap_split(blocks_to_swap: int) -> tuple[int, int]:
@@ -78,7 +33,7 @@ def max_blocks_to_swap(depth: int, depth_single: int) -> int:
     best = 0
     for n in range(1, 2 * (depth + depth_single) + 1):
         double, single = swap_split(n)
-        if double <= depth - 2 and single <= depth_single - 2:
+        if double <= most_swapped(depth) and single <= most_swapped(depth_single):
             best = n
     return best
 
@@ -88,227 +43,28 @@ def check_blocks_to_swap(blocks_to_swap: int, depth: int, depth_single: int) -> 
     if blocks_to_swap < 0:
         raise UserError(f"--blocks_to_swap {blocks_to_swap}: must be 0 or more")
     double, single = swap_split(blocks_to_swap)
-    if double > depth - 2 or single > depth_single - 2:
+    if double > most_swapped(depth) or single > most_swapped(depth_single):
         raise UserError(
-            f"--blocks_to_swap {blocks_to_swap}: cannot swap more than {depth - 2} double blocks and "
-            f"{depth_single - 2} single blocks; requested {double} double blocks and {single} single blocks "
+            f"--blocks_to_swap {blocks_to_swap}: cannot swap more than {most_swapped(depth)} double blocks and "
+            f"{most_swapped(depth_single)} single blocks; requested {double} double blocks and {single} single blocks "
             f"(N swaps N // 2 double and (N - N // 2) * 2 single blocks). The largest N for this model "
             f"({depth} double, {depth_single} single blocks) is {max_blocks_to_swap(depth, depth_single)}."
         )
     return double, single
 
 
-def movable_weights(block: nn.Module) -> list[nn.Parameter]:
-    """The weights that leave the device with ``block``: every ``nn.Linear`` weight in it."""
-    return [m.weight for m in block.modules() if isinstance(m, nn.Linear)]
+class FluxBlockSwap(BlockSwap):
+    """``BlockStack.block_hooks`` for ``--blocks_to_swap``: the ``double`` and ``single`` stacks with upstream's
+    split of N (checked here)."""
 
-
-class _Copier:
-    """Queues copies on a side CUDA stream ordered by events; on the CPU copies at once (no streams, no events)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.compute = torch.cuda.current_stream(device) if self.cuda else None
-
-    def begin(self) -> None:
-        """Take the stream the coming forward (and its backward) computes on."""
-        if self.cuda:
-            self.compute = torch.cuda.current_stream(self.device)
-
-    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of ``tensor`` in host memory (pinned on CUDA), queued on the side stream there."""
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.cuda)
-        host.copy_(tensor, non_blocking=self.cuda)
-        return host
-
-    def mark(self) -> torch.cuda.Event | None:
-        """An event after the work queued so far on the compute stream (None on the CPU)."""
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.compute)
-        return event
-
-    def exchange(self, leaving: list[nn.Parameter], arriving: list[nn.Parameter]) -> torch.cuda.Event | None:
-        """``leaving`` to fresh host memory, then ``arriving`` into the device memory it held (after the compute
-        queued so far); returns the event the compute must wait for before using ``arriving``."""
-        after = self.mark()
-        if self.cuda:
-            self.stream.wait_event(after)
-        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
-            for out, into in zip(leaving, arriving, strict=True):
-                slot = out.data
-                out.data = self.host_copy(slot)
-                slot.copy_(into.data, non_blocking=self.cuda)
-                into.data = slot
-        if not self.cuda:
-            return None
-        ready = torch.cuda.Event()
-        ready.record(self.stream)
-        return ready
-
-    def wait(self, ready: torch.cuda.Event | None) -> None:
-        if ready is not None:
-            self.compute.wait_event(ready)
-
-
-class StackSwap:
-    """The schedule of one stack (``double_blocks`` or ``single_blocks``) with its last ``swapped`` blocks on the
-    host before each forward (upstream ``ModelOffloader``; see the module docstring)."""
-
-    def __init__(self, stack: str, blocks: nn.ModuleList, swapped: int, copier: _Copier, owner: FluxBlockSwap):
-        self.stack, self.blocks, self.n, self.k = stack, blocks, len(blocks), swapped
-        self.copier, self.owner = copier, owner
-        self.weights = [movable_weights(block) if swapped else [] for block in blocks]
-        self.on_device = [True] * self.n
-        self.ready: dict[int, torch.cuda.Event | None] = {}
-        self.training_pass = False
-
-    def starting_placement(self) -> list[bool]:
-        return [i < self.n - self.k for i in range(self.n)]
-
-    def host_weights(self) -> list[nn.Parameter]:
-        """The weights that start on the host."""
-        return [w for i in range(self.n - self.k, self.n) for w in self.weights[i]]
-
-    def placed(self) -> None:
-        """Record that ``FluxBlockSwap.place`` put the weights where a forward starts."""
-        self.on_device = self.starting_placement()
-        self.ready.clear()
-
-    def prepare(self) -> None:
-        """Back to the starting placement (upstream ``prepare_block_devices_before_forward``), by exchanges."""
-        want = self.starting_placement()
-        leaving = [i for i in range(self.n) if self.on_device[i] and not want[i]]
-        arriving = [i for i in range(self.n) if want[i] and not self.on_device[i]]
-        for out, into in zip(leaving, arriving, strict=True):
-            self._exchange(out, into, "prepare")
-        self.training_pass = torch.is_grad_enabled()
-
-    def _exchange(self, out: int, into: int, phase: str) -> None:
-        if not self.on_device[out] or self.on_device[into]:
-            raise RuntimeError(
-                f"block swap ({self.stack}): block {out} must be on the device and block {into} on the host for an "
-                f"exchange (placement {self.on_device}): a training forward's backward must run before the next "
-                "forward (run a no-grad pass first)")
-        self.ready.pop(out, None)
-        self.ready[into] = self.copier.exchange(self.weights[out], self.weights[into])
-        self.on_device[out], self.on_device[into] = False, True
-        self.owner.record(Move(self.stack, phase, out, into))
-
-    def before_block(self, index: int, inputs: tuple = ()) -> None:
-        """Let the compute wait for block ``index``'s weights (upstream ``wait_for_block``); in a training forward,
-        hook the gradients of its ``inputs`` for what follows its backward (module docstring)."""
-        if not self.on_device[index]:
-            raise RuntimeError(f"block swap ({self.stack}): block {index} is on the host at its forward")
-        self.copier.wait(self.ready.pop(index, None))
-        if self.training_pass and (self._swaps_after(index) or self._waits_after(index)):
-            backward_done = self._backward_hook(index)
-            for tensor in inputs:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(backward_done)
-
-    def after_block(self, index: int) -> None:
-        """Start the exchange that follows block ``index`` (upstream ``submit_move_blocks``)."""
-        if self.k == 0:
-            return
-        if not self.training_pass:
-            self._exchange(index, (self.n - self.k + index) % self.n, "sample")
-        elif index < self.k:
-            self._exchange(index, self.n - self.k + index, "forward")
-
-    def _swaps_after(self, index: int) -> bool:
-        return 0 < self.n - index - 1 <= self.k
-
-    def _waits_after(self, index: int) -> bool:
-        return 0 < index <= self.k
-
-    def _backward_hook(self, index: int):
-        """A gradient hook for each input of block ``index`` that acts at the first call only."""
-        fired = []
-
-        def hook(grad: torch.Tensor) -> None:
-            if fired:
-                return
-            fired.append(True)
-            if self._swaps_after(index):
-                self._exchange(index + 1, index + self.k + 1 - self.n, "backward")
-            if self._waits_after(index):
-                self.before_block(index - 1)
-
-        return hook
-
-
-class FluxBlockSwap:
-    """``FluxTransformer.block_hooks`` for ``--blocks_to_swap``: one ``StackSwap`` per stack. Made by
-    ``enable_block_swap``; ``moves`` records every exchange when it is a list (tests, ``--blocks_to_swap`` logs)."""
-
-    def __init__(self, model: FluxTransformer, blocks_to_swap: int, device: torch.device):
+    def __init__(self, model: BlockStack, blocks_to_swap: int, device: torch.device):
         double, single = check_blocks_to_swap(blocks_to_swap, len(model.double_blocks), len(model.single_blocks))
+        super().__init__({"double": (model.double_blocks, double), "single": (model.single_blocks, single)}, device)
         self.blocks_to_swap = blocks_to_swap
-        self.device = torch.device(device)
-        self.copier = _Copier(self.device)
-        self.moves: list[Move] | None = None
-        self.stacks = {
-            "double": StackSwap("double", model.double_blocks, double, self.copier, self),
-            "single": StackSwap("single", model.single_blocks, single, self.copier, self),
-        }
-
-    def record(self, move: Move) -> None:
-        if self.moves is not None:
-            self.moves.append(move)
-
-    def place(self, model: FluxTransformer) -> None:
-        """Everything on the device except the weights of the blocks that start on the host (upstream
-        ``move_to_device_except_swap_blocks`` + ``prepare_block_swap_before_forward``): the device never holds
-        more than the resident blocks, even while placing."""
-        host = {id(w) for stack in self.stacks.values() for w in stack.host_weights()}
-        for param in model.parameters():
-            if id(param) in host:
-                param.data = self.copier.host_copy(param.data)
-            else:
-                param.data = param.data.to(self.device)
-        for module in model.modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                setattr(module, name, buffer.to(self.device))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        for stack in self.stacks.values():
-            stack.placed()
-
-    def device_blocks(self, stack: str) -> list[int]:
-        """Indices of ``stack``'s blocks whose weights are on the device now."""
-        return [i for i, here in enumerate(self.stacks[stack].on_device) if here]
-
-    def before_forward(self, model: FluxTransformer) -> None:
-        self.copier.begin()
-        for stack in self.stacks.values():
-            stack.prepare()
-
-    def before_block(self, stack: str, index: int, inputs: tuple) -> None:
-        self.stacks[stack].before_block(index, inputs)
-
-    def after_block(self, stack: str, index: int) -> None:
-        self.stacks[stack].after_block(index)
 
 
-def enable_block_swap(model: FluxTransformer, blocks_to_swap: int, device: torch.device | str) -> FluxBlockSwap:
+def enable_block_swap(model: BlockStack, blocks_to_swap: int, device: torch.device | str) -> FluxBlockSwap:
     """``--blocks_to_swap N`` (upstream ``Flux.enable_block_swap`` then ``move_to_device_except_swap_blocks``):
     checks N, places the model on ``device`` but the swapped blocks' weights, and installs the hooks. Call it after
     ``--fp8_base`` stored the weights in fp8 (fewer bytes move) and before or after the LoRA is attached."""
-    disable_block_swap(model)
-    swap = FluxBlockSwap(model, blocks_to_swap, torch.device(device))
-    swap.place(model)
-    model.block_hooks = swap
-    return swap
-
-
-def disable_block_swap(model: FluxTransformer, device: torch.device | str | None = None) -> None:
-    """Remove the hooks; with ``device``, every weight goes back there."""
-    hooks = model.block_hooks
-    if isinstance(hooks, FluxBlockSwap):
-        model.block_hooks = None
-        if device is not None:
-            model.to(device)
+    return install(model, FluxBlockSwap(model, blocks_to_swap, torch.device(device)))

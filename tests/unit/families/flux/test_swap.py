@@ -10,15 +10,10 @@ import pytest
 import torch
 
 from library.base.errors import UserError
+from library.families.block_swap import disable_block_swap
 from library.families.flux.model import FluxTransformer
 from library.families.flux.params import TINY
-from library.families.flux.swap import (
-    check_blocks_to_swap,
-    disable_block_swap,
-    enable_block_swap,
-    max_blocks_to_swap,
-    swap_split,
-)
+from library.families.flux.swap import check_blocks_to_swap, enable_block_swap, max_blocks_to_swap, swap_split
 from networks.lora_flux import create_network
 
 PARAMS = replace(TINY, depth=4, depth_single_blocks=8)  # largest N: 5 (2 double + 6 single)
