@@ -2,7 +2,8 @@
 ``load_unet_lazily`` take the files: the DiT (``--pretrained_model_name_or_path``, one file with ``net.`` keys and the
 LLM adapter inside; ``anima_utils.load_anima_model``), Qwen3 (``--qwen3``), the VAE (``--vae``, with
 ``--vae_chunk_size`` / ``--vae_disable_cache``), the T5 tokenizer (``--t5_tokenizer_path``, else the bundled one).
-``builtin:tiny-anima`` supplies all three parts; a file given for Qwen3 or the VAE replaces that part.
+``builtin:tiny-anima`` and ``builtin:anima-random`` (``builtin.py``) supply all three parts; a file given for
+Qwen3 or the VAE replaces that part.
 
 The DiT's config is upstream's fixed one (``params.ANIMA``) unless the file is ours and records another in its
 metadata (``tiny_files.py``). As upstream: the RoPE buffers may be absent from the file, any other missing or
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from library.base.errors import UserError
-from library.families.anima.builtin import BUILTIN_TINY_ANIMA, AnimaModel, AnimaVAE, build_tiny_parts
+from library.families.anima.builtin import BUILTIN_TINY_ANIMA, AnimaModel, AnimaVAE, build_builtin_parts
 from library.families.anima.layers import VideoRopePosition3DEmb
 from library.families.anima.model import AnimaTransformer
 from library.families.anima.params import ANIMA, AnimaParams
@@ -93,10 +94,8 @@ def load_anima_model(path: str, vae_path: str | None, section: Any, dtype: torch
 
     force_offline()
     mmap = not section.disable_mmap_load_safetensors
-    if path == BUILTIN_TINY_ANIMA:
-        dit, qwen3, vae = build_tiny_parts()
-    elif path.startswith("builtin:"):
-        raise UserError(f"{path}: not a built-in Anima model; use {BUILTIN_TINY_ANIMA}")
+    if path.startswith("builtin:"):
+        dit, qwen3, vae = build_builtin_parts(path)
     else:
         dit, qwen3, vae = load_dit(path, dtype, device, mmap), None, None
     if section.qwen3:

@@ -98,11 +98,16 @@ def _empty_qwen3(config: Qwen3Config) -> Qwen3Model:
     return model
 
 
-def tiny_qwen3(seed: int = 0, config: str | Path = TINY_QWEN3_CONFIG) -> Qwen3Model:
-    """A tiny random Qwen3 (see the module docstring), fp32, frozen; the global RNG is left untouched."""
+def tiny_qwen3(seed: int = 0, config: str | Path = TINY_QWEN3_CONFIG, layers: int | None = None) -> Qwen3Model:
+    """A random Qwen3 of ``config`` (default the tiny one, see the module docstring; ``layers``: that many layers
+    instead of the config's), fp32, frozen; the global RNG is left untouched."""
     from transformers import Qwen3Model
 
+    settings = qwen3_config(config)
+    if layers is not None:
+        settings.num_hidden_layers = layers
+        settings.layer_types = settings.layer_types[:layers] if settings.layer_types else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3Model(qwen3_config(config))
+        model = Qwen3Model(settings)
     return _finish(model.eval(), torch.float32, "cpu")

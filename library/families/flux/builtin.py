@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from library.base.errors import UserError
+from library.families.builtin_options import builtin_options, whole_number
 from library.families.flux.chroma import ChromaTransformer, NoClip
 from library.families.flux.chroma_layers import ChromaParams
 from library.families.flux.model import FluxTransformer
@@ -65,25 +66,6 @@ def is_builtin_flux(name: str) -> bool:
     return any(name == base or name.startswith(base + ":") for base in BUILTIN_FLUX_MODELS)
 
 
-def _options(text: str, name: str) -> dict[str, str]:
-    options = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or key not in RANDOM_OPTIONS:
-            raise UserError(f"{name}: unknown option {item!r}; options: {', '.join(RANDOM_OPTIONS)} (key=value)")
-        options[key] = value
-    return options
-
-
-def _count(options: dict[str, str], key: str, default: int | None, name: str) -> int | None:
-    if key not in options:
-        return default
-    value = options[key]
-    if not value.isdigit() or int(value) < 1:
-        raise UserError(f"{name}: {key}={value!r} must be a whole number of at least 1")
-    return int(value)
-
-
 def parse_builtin(name: str) -> BuiltinSpec:
     """``builtin:tiny-flux[:options]`` or ``builtin:flux-random[:options]`` as a ``BuiltinSpec`` (options: block
     counts, text-encoder layers, variant); a ``UserError`` otherwise."""
@@ -91,8 +73,8 @@ def parse_builtin(name: str) -> BuiltinSpec:
         raise UserError(f"{name}: not a built-in FLUX model; use {BUILTIN_TINY_FLUX}, {BUILTIN_TINY_CHROMA} or "
                         f"{BUILTIN_FLUX_RANDOM}[:double=N,single=N,t5_layers=N,clip_layers=N,variant=dev|schnell]")
     base = next(b for b in BUILTIN_FLUX_MODELS if name == b or name.startswith(b + ":"))
-    text, tiny = name[len(base) + 1:], base != BUILTIN_FLUX_RANDOM
-    options = _options(text, name)
+    tiny = base != BUILTIN_FLUX_RANDOM
+    options = builtin_options(name, base, RANDOM_OPTIONS)
     if base == BUILTIN_TINY_CHROMA and {"clip_layers", "variant"} & set(options):
         raise UserError(f"{name}: Chroma has no CLIP-L and no variants; its options are double, single, t5_layers")
     variant = options.get("variant", "dev")
@@ -100,8 +82,9 @@ def parse_builtin(name: str) -> BuiltinSpec:
         raise UserError(f"{name}: variant={variant!r}; use dev or schnell")
     double, single = (TINY.depth, TINY.depth_single_blocks) if tiny else (2, 4)
     return BuiltinSpec(
-        base, _count(options, "double", double, name), _count(options, "single", single, name),
-        _count(options, "t5_layers", None, name), _count(options, "clip_layers", None, name), variant == "schnell",
+        base, whole_number(options, "double", double, name), whole_number(options, "single", single, name),
+        whole_number(options, "t5_layers", None, name), whole_number(options, "clip_layers", None, name),
+        variant == "schnell",
     )
 
 
