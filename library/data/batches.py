@@ -14,7 +14,9 @@ placement as its image (bucket resize and crop, random crop, face crop) and flip
 alpha mask comes from the cache and a mask image is placed as the cached image was (centred in the bucket).
 Every batch also carries SDXL's ``size_conditions`` [B, 6] (``library/data/size_conditions.py``; the families that
 do not condition on sizes, SD 1.x/2.x and FLUX.1, ignore them) and, with cached text encoder outputs,
-``text_outputs`` (a dict of [B, ...] float32 tensors).
+``text_outputs`` (a dict of [B, ...] float32 tensors) and ``captions_dropped`` ([B] bool: the images whose caption
+``caption_dropout_rate`` dropped, which the step replaces by the empty caption's outputs, ``ModelFamily.
+drop_cached_captions``; their ``captions`` are "" as without caching, the same draw of the same generator).
 
 Difference, on purpose: sd-scripts stretches a conditioning image straight to the bucket size, so with an aspect
 ratio other than the bucket's (or a face crop) its mask is offset from the image; here it is not.
@@ -32,7 +34,7 @@ from torch.utils.data import Dataset, Sampler
 
 from library.base.errors import UserError
 from library.data import latent_cache, text_cache
-from library.data.captions import CaptionState, process_caption
+from library.data.captions import CaptionState, caption_dropped, shape_caption
 from library.data.images import BrokenImage, check_scanned_size, load_image, load_image_with_alpha, load_mask_image
 from library.data.prepare import ImageItem, PreparedDataset
 from library.data.size_conditions import image_size_condition
@@ -147,7 +149,7 @@ class BatchSource(Dataset):
         ds = self.datasets[ref.dataset]
         indices = members[ref.dataset][ref.bucket][ref.start:ref.start + ds.spec.batch_size]
         state = CaptionState(key.epoch, key.step, key.max_train_steps)
-        pixels, latents, captions, masks, flips, sizes = [], [], [], [], [], []
+        pixels, latents, captions, masks, flips, sizes, drops = [], [], [], [], [], [], []
         for slot, index in enumerate(indices):
             rng = random.Random(f"{self.seed}:{key.epoch}:{key.position}:{slot}")
             item = ds.items[index]
@@ -165,7 +167,8 @@ class BatchSource(Dataset):
             masks.append(mask)
             sizes.append(image_size_condition(item.size, item.choice.bucket, flipped=flipped,
                                               bucketed=ds.spec.enable_bucket or bool(self.latents)))
-            captions.append(process_caption(item.caption, sub, rng, state))
+            drops.append(caption_dropped(sub, rng, state))  # process_caption's draws, in its order
+            captions.append("" if drops[-1] else shape_caption(item.caption, sub, rng, state))
         batch = {
             "captions": captions,
             "loss_weights": torch.tensor([self.prior_loss_weight if ds.items[i].is_reg else 1.0 for i in indices]),
@@ -177,6 +180,7 @@ class BatchSource(Dataset):
         if self.text_outputs:
             outputs = [self.text_outputs.get((ref.dataset, i)) for i in indices]
             batch["text_outputs"] = {name: torch.stack([o[name] for o in outputs]) for name in outputs[0]}
+            batch["captions_dropped"] = torch.tensor(drops, dtype=torch.bool)
         if latents:
             batch["latents"] = torch.stack(latents)
         else:

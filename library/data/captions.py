@@ -1,4 +1,5 @@
-"""Caption transforms, in sd-scripts' order (``BaseDataset.process_caption``), as one pure function.
+"""Caption transforms, in sd-scripts' order (``BaseDataset.process_caption``), as two pure functions: the caption a
+training step sees is "" when ``caption_dropped``, else ``shape_caption``'s (``library/data/batches.py``).
 
 Order: prefix/suffix → whole-caption dropout (rate, or every N epochs) → wildcards / first line → split into fixed
 and flexible tags (``keep_tokens`` or ``keep_tokens_separator``) → token warm-up → shuffle → tag dropout → join with
@@ -69,16 +70,22 @@ def split_tags(caption: str, sub: SubsetSpec) -> tuple[list[str], list[str], lis
     return [], tokens, []
 
 
-def process_caption(caption: str, sub: SubsetSpec, rng: random.Random, state: CaptionState) -> str:
-    """The caption one training step sees (see the module docstring for the order)."""
+def caption_dropped(sub: SubsetSpec, rng: random.Random, state: CaptionState) -> bool:
+    """Whole-caption dropout: one ``rng.random()`` below ``caption_dropout_rate`` (drawn only when the rate is above
+    0), or an epoch that ``caption_dropout_every_n_epochs`` divides; the first draw of the caption's choices, as in
+    sd-scripts (the prefix and suffix it adds first draw nothing)."""
+    dropped = sub.caption_dropout_rate > 0 and rng.random() < sub.caption_dropout_rate
+    every = sub.caption_dropout_every_n_epochs
+    return dropped or (every > 0 and state.epoch % every == 0)
+
+
+def shape_caption(caption: str, sub: SubsetSpec, rng: random.Random, state: CaptionState) -> str:
+    """The caption a step sees when it is not dropped: prefix and suffix, wildcards or first line, token warm-up,
+    shuffle, tag dropout, secondary separator."""
     if sub.caption_prefix:
         caption = sub.caption_prefix + " " + caption
     if sub.caption_suffix:
         caption = caption + " " + sub.caption_suffix
-    dropped = sub.caption_dropout_rate > 0 and rng.random() < sub.caption_dropout_rate
-    every = sub.caption_dropout_every_n_epochs
-    if dropped or (every > 0 and state.epoch % every == 0):
-        return ""
     caption = expand_wildcards(caption, rng) if sub.enable_wildcard else caption.split("\n")[0]
     if sub.shuffle_caption or sub.token_warmup_step > 0 or sub.caption_tag_dropout_rate > 0:
         fixed, flex, suffix = split_tags(caption, sub)

@@ -21,7 +21,8 @@ from library.data import latent_cache, text_cache
 from library.data.batches import BatchKey, BatchSource, EpochSampler, LatentStore, TextOutputStore
 from library.data.buckets import crop_ltrb
 from library.data.cache_progress import QUIET, CacheProgress
-from library.data.captions import CaptionState, process_caption
+from library.data.cached_captions import refuse_changing_captions
+from library.data.captions import CaptionState, shape_caption
 from library.data.dataset_metadata import dataset_metadata
 from library.data.images import check_scanned_size, load_image, load_image_with_alpha
 from library.data.prepare import PreparedDataset, ScanLimits, prepare_datasets
@@ -280,24 +281,22 @@ class TrainData:
     def cache_text_encoder_outputs(self, encode: Callable[[list[str]], dict[str, torch.Tensor]], *, to_disk: bool,
                                    encoder_id: str, max_token_length: int | None, names: tuple[str, ...],
                                    batch_size: int, weighted: bool = False, share: Callable[[int], bool] | None = None,
-                                   wait: Callable[[], None] = lambda: None, progress: CacheProgress = QUIET) -> None:
+                                   wait: Callable[[], None] = lambda: None, progress: CacheProgress = QUIET,
+                                   cached_dropout: bool = False) -> None:
         """Encode every image's caption once (``--cache_text_encoder_outputs``); keep the outputs in RAM or in
         ``<image>`` + the family's ``text_cache_suffix`` (see ``text_cache``; still-valid files are reused without
         encoding). The validation images are cached alike (sd-scripts caches its validation dataset group too).
 
         ``encode`` maps captions to a dict of [B, ...] tensors named ``names``. Captions must be the same every
-        step: a subset with shuffle_caption, caption or tag dropout, token warm-up or wildcards is refused, as
-        sd-scripts refuses the first four (``is_text_encoder_output_cacheable``). Several processes (``share``,
-        with ``to_disk``): split as the latent cache (``cache_latents``), as sd-scripts'
-        ``new_cache_text_encoder_outputs`` does.
+        step (``cached_captions``): a subset with shuffle_caption, caption or tag dropout, token warm-up or
+        wildcards is refused, except ``caption_dropout_rate`` with ``cached_dropout`` (the family's
+        ``FamilySpec.cached_caption_dropout``: each step drops the outputs of the captions ``captions_dropped``
+        names, so the caption is encoded without its dropout and the rate is no part of the cache file; sd-scripts
+        stores the rate in its file and goes on using the stored one after the rate is changed, until the file is
+        deleted). Several processes (``share``, with ``to_disk``): split as the latent cache (``cache_latents``), as
+        sd-scripts' ``new_cache_text_encoder_outputs`` does.
         """
-        changing = sorted({info.spec.location for ds in self.datasets for info in ds.subsets
-                           if _caption_changes(info.spec)})
-        if changing:
-            raise UserError(*(f"{loc}: shuffle_caption, caption_dropout_rate, caption_dropout_every_n_epochs, "
-                              "caption_tag_dropout_rate, token_warmup_step and enable_wildcard change the caption "
-                              "every step, so text encoder outputs cannot be cached; turn them off or drop "
-                              "--cache_text_encoder_outputs" for loc in changing))
+        refuse_changing_captions((info.spec for ds in self.datasets for info in ds.subsets), cached_dropout)
         self.text_outputs.names = names
         sharded = to_disk and share is not None
         key = (max_token_length, encoder_id, weighted)
@@ -316,7 +315,7 @@ class TrainData:
             self.validation.cache_text_encoder_outputs(encode, to_disk=to_disk, encoder_id=encoder_id,
                                                        max_token_length=max_token_length, names=names,
                                                        batch_size=batch_size, weighted=weighted, share=share,
-                                                       wait=wait, progress=progress)
+                                                       wait=wait, progress=progress, cached_dropout=cached_dropout)
 
     def _text_pending(self, to_disk: bool, key: tuple[int | None, str, bool],
                       share: Callable[[int], bool] | None) -> list[tuple[int, int, str, str]]:
@@ -331,7 +330,7 @@ class TrainData:
                 if (share is not None and not share(index)) or (d, i) in self.text_outputs.disk:
                     continue
                 sub = ds.subsets[item.subset_index].spec
-                caption = process_caption(item.caption, sub, random.Random(0), CaptionState())
+                caption = shape_caption(item.caption, sub, random.Random(0), CaptionState())  # never dropped
                 cache_key = text_cache.cache_key(caption, *key)
                 if to_disk and text_cache.is_valid(text_cache.npz_path(item.path, names), cache_key, names):
                     self.text_outputs.disk[(d, i)] = str(text_cache.npz_path(item.path, names))
@@ -353,11 +352,6 @@ class TrainData:
                     self.text_outputs.disk[(d, i)] = str(path)
                 else:
                     self.text_outputs.ram[(d, i)] = one
-
-
-def _caption_changes(sub: SubsetSpec) -> bool:
-    return bool(sub.shuffle_caption or sub.caption_dropout_rate > 0 or sub.caption_dropout_every_n_epochs > 0
-                or sub.caption_tag_dropout_rate > 0 or sub.token_warmup_step > 0 or sub.enable_wildcard)
 
 
 def _mask_note(sub: SubsetSpec) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from library.data.latent_cache import LatentFiles
 from library.data.text_cache import ArrayNames
 from library.families.base import ModelFamily
 from library.families.precision import PrecisionPolicy
+
+if TYPE_CHECKING:
+    from library.families.spec import FamilySpec
 
 
 def release_cached_memory(device: torch.device, highvram: bool) -> None:
@@ -101,11 +104,12 @@ def module_id(*modules: torch.nn.Module) -> str:
 
 
 def cache_text_encoder_outputs(data, model, family: ModelFamily, policy: PrecisionPolicy, device: torch.device,
-                               to_disk: bool, max_token_length: int | None, batch_size: int, suffix: str,
+                               to_disk: bool, max_token_length: int | None, batch_size: int, record: FamilySpec,
                                weighted: bool = False, share: Callable[[int], bool] | None = None,
                                wait: Callable[[], None] = lambda: None, progress: CacheProgress = QUIET) -> None:
     """``--cache_text_encoder_outputs``: encode every caption once with the frozen text encoders (in RAM, or with
-    ``--cache_text_encoder_outputs_to_disk`` in ``<image><suffix>`` files, the family's suffix), the held-out
+    ``--cache_text_encoder_outputs_to_disk`` in ``<image>`` + ``text_cache_suffix`` files, of the family's
+    ``record``; with its ``cached_caption_dropout`` a subset may have ``caption_dropout_rate``), the held-out
     validation images' too, then move the encoders to the CPU, as sd-scripts does; the network must train the denoiser
     only (checked before loading). With ``weighted`` (``--weighted_captions``) the weighted outputs are cached, as
     sd-scripts' ``is_weighted`` caching strategy. ``share`` and ``wait`` split a disk cache between processes
@@ -125,10 +129,12 @@ def cache_text_encoder_outputs(data, model, family: ModelFamily, policy: Precisi
                             "or no, or check the text encoders' weights")
         return outputs
 
-    names = ArrayNames(family.cache_names, output_shapes(encode, device) if to_disk else None, suffix)
+    names = ArrayNames(family.cache_names, output_shapes(encode, device) if to_disk else None,
+                       record.text_cache_suffix)
     data.cache_text_encoder_outputs(progress.watch(encode), to_disk=to_disk, encoder_id=module_id(*text_encoders),
                                     max_token_length=max_token_length, names=names, batch_size=batch_size,
-                                    weighted=weighted, share=share, wait=wait, progress=progress)
+                                    weighted=weighted, share=share, wait=wait, progress=progress,
+                                    cached_dropout=record.cached_caption_dropout)
     wait()
     for text_encoder in text_encoders:
         text_encoder.to("cpu")

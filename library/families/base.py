@@ -152,6 +152,13 @@ class ModelFamily(ABC):
         """The conditioning back from ``to_cache``'s arrays, on ``device``."""
         raise UserError(f"{type(self).__name__}: this model family does not cache text encoder outputs")
 
+    def drop_cached_captions(self, cond: Any, dropped: torch.Tensor) -> Any:
+        """Caption dropout on cached outputs (families whose record sets ``FamilySpec.cached_caption_dropout``):
+        ``cond`` (``from_cache``'s) with the rows of ``dropped`` ([B] bool on its device, some True) made the empty
+        caption's outputs. Nothing here: the data stage refuses ``caption_dropout_rate`` with caching for the
+        other families, so their batches drop nothing."""
+        return cond
+
     def text_output_cache(self, section: Any) -> tuple[bool, bool]:
         """Whether the run trains from cached text encoder outputs (``--cache_text_encoder_outputs``) and whether
         they are kept on disk (``--cache_text_encoder_outputs_to_disk``), from the family's own flag section

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from library.families.anima.spec import FINE_TUNE as ANIMA_FINE_TUNE
 from library.families.anima.spec import SPEC as ANIMA
 from library.families.flux.spec import FINE_TUNE as FLUX_FINE_TUNE
 from library.families.flux.spec import SPEC as FLUX
@@ -21,7 +22,7 @@ from library.families.spec import FamilySpec
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (SD, SDXL, FLUX, ANIMA)}
 
 # The full fine-tuning scripts' records (each family's LoRA script is its record in ``FAMILIES``).
-FINE_TUNING: tuple[FamilySpec, ...] = (SD_FINE_TUNE, SD_DREAMBOOTH, SDXL_FINE_TUNE, FLUX_FINE_TUNE)
+FINE_TUNING: tuple[FamilySpec, ...] = (SD_FINE_TUNE, SD_DREAMBOOTH, SDXL_FINE_TUNE, FLUX_FINE_TUNE, ANIMA_FINE_TUNE)
 
 
 def entry_scripts() -> dict[str, FamilySpec]:

@@ -64,6 +64,10 @@ class FamilySpec:
     # Shared flags it refuses: flag name -> the message (what to do instead); set, they stop the run with exit 2.
     refused_flags: Mapping[str, str] = field(default_factory=dict)
     sample_guidance: bool = False  # its sampler reads a prompt's guidance scale (``--g``) and distilled CFG
+    sample_flow_shift: bool = False  # its sampler reads a prompt's flow shift (``--fs``)
+    # ``caption_dropout_rate`` with ``--cache_text_encoder_outputs``: its ``ModelFamily.drop_cached_captions``
+    # replaces the cached outputs of the captions the rate drops (sd-scripts' ``cache_supports_dropout``)
+    cached_caption_dropout: bool = False
     # ``python -m library.tiny_model --<name> OUT_DIR``: writes its tiny model's files, says what it wrote
     write_tiny: Callable[[Path], str] | None = None
     # What the script trains: "network" (a LoRA, ``--network_module``) or "model" (full fine-tuning: the denoiser

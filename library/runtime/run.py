@@ -236,7 +236,7 @@ def _check_before_loading(cfg: TrainConfig, processes: process_group.Processes
     choice = optimizer_setup.check_optimizer(cfg.optimizer, cfg.schedule, cfg.family_config)
     for line in process_group.describe_options(cfg.distributed, processes.info):
         log.info(line)
-    samples = plan_samples(cfg.sample, warn_ignored=not cfg.family.sample_guidance)
+    samples = plan_samples(cfg.sample, cfg.family)
     check_sample_folder(samples, cfg.save.output_dir)
     check_dynamo_backend(cfg.precision)  # --torch_compile with a backend this torch lacks
     return samples, choice, thumbnail_data_url(cfg.save.metadata_thumbnail)
@@ -300,7 +300,7 @@ def _models(cfg: TrainConfig, ready: Prepared, processes: process_group.Processe
     if caches_text:
         encode_caches.cache_text_encoder_outputs(
             data, model, family, policy, device, to_disk, cfg.model.max_token_length,
-            section.text_encoder_batch_size or cfg.data.train_batch_size, cfg.family.text_cache_suffix,
+            section.text_encoder_batch_size or cfg.data.train_batch_size, cfg.family,
             cfg.model.weighted_captions, share=processes.owns_item, wait=processes.caching_done, progress=caching)
         if not train_te:  # frozen, and read from now on by sample prompts alone
             family.release_text_encoders(model, ready.samples, device, policy)

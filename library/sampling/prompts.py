@@ -9,15 +9,16 @@ The file forms are sd-scripts' (``library/train_util.py``: ``load_prompts``, ``l
   of 8, at least 64), ``--d`` seed (default: a fresh random seed each time), ``--l`` CFG scale (default 7.5; 1 or
   less turns guidance and the negative prompt off), ``--s`` steps (default 30, clamped to 1…1000), ``--ss``
   sampler (default ``--sample_sampler``). Option names are case-insensitive. ``--g`` (the embedded guidance of
-  FLUX.1-dev, sd-scripts' ``guidance_scale``) is kept for FLUX.1 samples (``library/families/flux/sampling*.py``,
-  which also read ``--s`` and ``--l`` with upstream FLUX's defaults 20 and 1.0 when the file leaves them out:
-  ``SamplePrompt.options``). ``--g``, ``--cn``, ``--ctr``, ``--rcfg`` and ``--fs`` belong to sd-scripts' FLUX.1 /
-  SD3 / Lumina / ControlNet samplers; SD 1.x/2.x and SDXL samples ignore them (sd-scripts' ``train_network.py``
-  does too), and a warning says so.
+  FLUX.1-dev, sd-scripts' ``guidance_scale``) and ``--fs`` (a flow shift above 0, sd-scripts' ``flow_shift``) are
+  kept for the samplers that read them (``FamilySpec.sample_guidance`` / ``sample_flow_shift``; FLUX.1's, which
+  reads ``--g``, also reads ``--s`` and ``--l`` with upstream FLUX's defaults 20 and 1.0 when the file leaves them
+  out: ``SamplePrompt.options``). ``--g``, ``--fs``, ``--cn``, ``--ctr`` and ``--rcfg`` belong to some of sd-scripts'
+  samplers; one that the family's samples ignore (SD 1.x/2.x and SDXL ignore them all, as sd-scripts'
+  ``train_network.py`` does) gets a warning.
 * ``.toml``: a ``[prompt]`` table of defaults and a ``[[prompt.subset]]`` list, one table per image, with the keys
   ``prompt``, ``negative_prompt``, ``width``, ``height``, ``seed``, ``sample_steps``, ``scale``,
-  ``sample_sampler``, ``guidance_scale`` (FLUX.1 only) (and the ignored ``controlnet_image``, ``cfg_trunc_ratio``,
-  ``renorm_cfg``, ``flow_shift``). A subset's key overrides the default (sd-scripts fails on such a repeat).
+  ``sample_sampler``, ``guidance_scale``, ``flow_shift`` (and the ignored ``controlnet_image``,
+  ``cfg_trunc_ratio``, ``renorm_cfg``). A subset's key overrides the default (sd-scripts fails on such a repeat).
 * ``.json``: a list whose items are such tables or ``.txt``-style lines.
 
 Where we are stricter: sd-scripts skips an option it cannot read (an unknown ``--x``, ``--w 5l2``, ``--d -1``)
@@ -25,8 +26,9 @@ and falls back to DDIM for an unknown sampler; here each is an error naming the 
 the option, raised before the data or the models are loaded. So is a value sd-scripts reads but that fails or
 draws nothing at its first sample, after training steps ran (the ``MAX_*`` bounds below): ``--w`` / ``--h`` above
 16384 pixels, a ``--d`` that does not fit a torch generator (above 2**64 - 1), a ``--l`` above 100 (where the
-prediction overflows) and a prompt or negative prompt of more than 10000 characters (the pipeline reads 225 tokens
-of it). A ``<output_dir>/sample`` that is a file is found at the start too (``check_sample_folder``).
+prediction overflows), a ``--fs`` that is no number above 0 and a prompt or negative prompt of more than 10000
+characters (the pipeline reads 225 tokens of it). A ``<output_dir>/sample`` that is a file is found at the start
+too (``check_sample_folder``).
 
 Cadence (``sample_images_common``): at first (before the first update, also on resume) when ``--sample_at_first``;
 after an update when ``global_step`` is a multiple of ``--sample_every_n_steps``; after epoch ``e`` when ``e`` is a
@@ -41,6 +43,7 @@ import logging
 import math
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,9 +70,9 @@ _MAX_DIGITS = 30  # longer digit strings are out of every range (and int() refus
 @dataclass(frozen=True)
 class SamplePrompt:
     """One sample image: the ``index`` (0-based, in file order) names its file; sizes as written in the file;
-    ``where`` is its line or table in the prompt file. ``guidance_scale`` (``--g``) and ``options`` (the table keys
-    the file set, e.g. ``"sample_steps"``, ``"scale"``) are read by FLUX.1 samples only, whose defaults differ from
-    this class's; they take no part in comparisons."""
+    ``where`` is its line or table in the prompt file. ``guidance_scale`` (``--g``), ``flow_shift`` (``--fs``) and
+    ``options`` (the table keys the file set, e.g. ``"sample_steps"``, ``"scale"``) are read by the samplers of the
+    families that take them, whose defaults differ from this class's; they take no part in comparisons."""
 
     index: int
     prompt: str
@@ -82,6 +85,7 @@ class SamplePrompt:
     sampler: str | None = None
     where: str = field(default="", compare=False)
     guidance_scale: float | None = field(default=None, compare=False)
+    flow_shift: float | None = field(default=None, compare=False)
     options: frozenset[str] = field(default=frozenset(), compare=False)
 
     def image_size(self) -> tuple[int, int]:
@@ -101,7 +105,8 @@ class SamplePlan:
     at_first: bool
 
 
-# option of a .txt line -> (table key, kind); kinds: text, size, seed, steps, scale, sampler, ignored_*
+# option of a .txt line -> (table key, kind); kinds: text, size, seed, steps, scale, sampler, guidance, shift,
+# ignored_*
 _LINE_OPTIONS = {
     "n": ("negative_prompt", "text"),
     "w": ("width", "size"),
@@ -114,11 +119,12 @@ _LINE_OPTIONS = {
     "cn": ("controlnet_image", "ignored_text"),
     "ctr": ("cfg_trunc_ratio", "ignored_number"),
     "rcfg": ("renorm_cfg", "ignored_number"),
-    "fs": ("flow_shift", "ignored_text"),
+    "fs": ("flow_shift", "shift"),
 }
 _KEY_KINDS = {"prompt": "text", **dict(_LINE_OPTIONS.values())}
+# the keys only some samplers read -> whose, in sd-scripts 48d368fa (its ``prompt_dict.get`` calls)
 _IGNORED_BY = {"guidance_scale": "FLUX.1", "controlnet_image": "ControlNet", "cfg_trunc_ratio": "Lumina",
-               "renorm_cfg": "Lumina", "flow_shift": "SD3 / FLUX.1 / HunyuanImage"}
+               "renorm_cfg": "Lumina", "flow_shift": "HunyuanImage / Anima"}
 _OPTION_OF_KEY = {key: option for option, (key, _) in _LINE_OPTIONS.items()}
 _DIGITS = re.compile(r"\d+")
 
@@ -180,11 +186,14 @@ def _convert(kind: str, value: Any, label: str, where: str, problems: _Problems)
         return value
     if kind in ("size", "seed", "steps"):
         return _whole_number(kind, value, label, where, problems)
-    if kind in ("scale", "guidance", "ignored_number"):
+    if kind in ("scale", "guidance", "shift", "ignored_number"):
         try:
             number = float(value) if not isinstance(value, bool) else math.nan
         except (TypeError, ValueError):
             number = math.nan
+        if kind == "shift" and not (math.isfinite(number) and number > 0):
+            problems.error(where, f"{label} {_shown(value)}: expected a flow shift above 0, e.g. 3.0")
+            return None
         if not math.isfinite(number) or number < 0:
             problems.error(where, f"{label} {_shown(value)}: expected a number >= 0, e.g. 7.5")
             return None
@@ -212,7 +221,7 @@ def _prompt_from_table(index: int, table: dict[str, Any], where: str, problems: 
                            f"{', '.join(k for k, v in _KEY_KINDS.items() if not v.startswith('ignored'))}")
             continue
         value = _convert(kind, raw, label_of(key), where, problems)
-        if kind.startswith("ignored") or kind == "guidance":
+        if kind.startswith("ignored") or kind in ("guidance", "shift"):
             problems.ignored.setdefault(key, []).append(where)
         if not kind.startswith("ignored") and value is not None:
             values[key] = value
@@ -229,7 +238,8 @@ def _prompt_from_table(index: int, table: dict[str, Any], where: str, problems: 
                         width=values.get("width", DEFAULT_SIZE), height=values.get("height", DEFAULT_SIZE),
                         seed=values.get("seed"), steps=values.get("sample_steps", DEFAULT_STEPS),
                         scale=values.get("scale", DEFAULT_SCALE), sampler=values.get("sample_sampler"), where=where,
-                        guidance_scale=values.get("guidance_scale"), options=frozenset(values))
+                        guidance_scale=values.get("guidance_scale"), flow_shift=values.get("flow_shift"),
+                        options=frozenset(values))
 
 
 def parse_prompt_line(index: int, line: str, where: str, problems: _Problems) -> SamplePrompt | None:
@@ -301,17 +311,19 @@ def _read(path: Path, problems: _Problems) -> list[SamplePrompt | None]:
     return prompts
 
 
-def load_prompt_file(path: str | Path, warn_ignored: bool = True) -> list[SamplePrompt]:
+def load_prompt_file(path: str | Path, reads: Collection[str] = (),
+                     samples: str = "the model's") -> list[SamplePrompt]:
     """Every prompt of a ``.txt`` / ``.toml`` / ``.json`` prompt file; all problems at once as a ``UserError``.
-    ``warn_ignored``: warn about the options SD 1.x/2.x and SDXL samples ignore (not for FLUX.1, which reads them)."""
+    Options only some samplers read (``_IGNORED_BY``) that the family's does not (``reads``: ``sampler_reads``)
+    get one warning each, naming the family's samples (``samples``: its display name)."""
     problems = _Problems(Path(path))
     prompts = _read(problems.path, problems)
     if problems.errors:
         raise UserError(*problems.errors)
-    for key, places in problems.ignored.items() if warn_ignored else ():
-        log.warning("%s:%s: --%s (%s) is for sd-scripts' %s samples; SD 1.x/2.x and SDXL samples ignore it, "
-                    "as sd-scripts' train_network.py does", problems.path, ",".join(places), _OPTION_OF_KEY[key], key,
-                    _IGNORED_BY[key])
+    for key, places in problems.ignored.items():
+        if key not in reads:
+            log.warning("%s:%s: --%s (%s) is for sd-scripts' %s samples; %s samples ignore it", problems.path,
+                        ",".join(places), _OPTION_OF_KEY[key], key, _IGNORED_BY[key], samples)
     return [p for p in prompts if p is not None]
 
 
@@ -333,9 +345,16 @@ def _cadence(name: str, value: int | None) -> int | None:
     return value
 
 
-def plan_samples(cfg: SampleConfig, warn_ignored: bool = True) -> SamplePlan | None:
-    """When and what to sample, or None when no sample image will be drawn; bad prompt files raise ``UserError``
-    (``warn_ignored``: ``load_prompt_file``'s)."""
+def sampler_reads(record: Any) -> frozenset[str]:
+    """The keys only some samplers read (``_IGNORED_BY``) that a family's sampler reads, from its record
+    (``FamilySpec.sample_guidance``, ``sample_flow_shift``)."""
+    return frozenset(key for key, read in (("guidance_scale", record.sample_guidance),
+                                           ("flow_shift", record.sample_flow_shift)) if read)
+
+
+def plan_samples(cfg: SampleConfig, record: Any = None) -> SamplePlan | None:
+    """When and what to sample, or None when no sample image will be drawn; bad prompt files raise ``UserError``.
+    ``record``: the family's ``FamilySpec``, whose sampler's options are not warned about (None: warn about all)."""
     every_steps = _cadence("--sample_every_n_steps", cfg.sample_every_n_steps)
     every_epochs = _cadence("--sample_every_n_epochs", cfg.sample_every_n_epochs)
     if not (every_steps or every_epochs or cfg.sample_at_first):
@@ -353,7 +372,8 @@ def plan_samples(cfg: SampleConfig, warn_ignored: bool = True) -> SamplePlan | N
                  every_steps)
         every_steps = None
     path = Path(cfg.sample_prompts)
-    prompts = load_prompt_file(path, warn_ignored)
+    prompts = load_prompt_file(path) if record is None else \
+        load_prompt_file(path, sampler_reads(record), record.display_name)
     if not prompts:
         log.warning("--sample_prompts %s has no prompts: no sample images are drawn", path)
         return None

@@ -94,11 +94,19 @@ class BatchLoss:
                                           max_token_length=self.max_token_length)
 
     def text_states(self, batch: dict):
-        """The batch's conditioning: cached text encoder outputs when the batch has them. Token ids come
-        only from a ``--dataset_class`` that yields them; as in sd-scripts they win over captions, except with
+        """The batch's conditioning: cached text encoder outputs when the batch has them, those of the captions
+        that caption dropout dropped (``captions_dropped``, drawn by the data stage on the host) made the empty
+        caption's by the family (``drop_cached_captions``; whether any is dropped is read on the host, from the
+        batch's CPU tensor). A validation batch's too, as its captions are dropped without caching (sd-scripts'
+        ``process_batch`` override that drops cached rows ignores ``is_train`` as well). Token ids come only from a
+        ``--dataset_class`` that yields them; as in sd-scripts they win over captions, except with
         ``--weighted_captions``, which needs the captions' text."""
         if "text_outputs" in batch:
-            return self.family.from_cache(batch["text_outputs"], self.device)
+            cond = self.family.from_cache(batch["text_outputs"], self.device)
+            dropped = batch.get("captions_dropped")
+            if dropped is not None and bool(dropped.any()):
+                cond = self.family.drop_cached_captions(cond, to_device(dropped, self.device))
+            return cond
         if "input_ids" in batch and not self.weighted_captions:
             return self.encode_ids(batch["input_ids"])
         if "captions" not in batch:

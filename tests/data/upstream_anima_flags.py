@@ -1,6 +1,9 @@
-"""Generator of ``upstream_anima_train_network_flags.json`` (run with upstream's own Python): every option of
-upstream ``anima_train_network.setup_parser()`` (dest, action, type, nargs, default, choices; help texts left out)
-and ``anima_only``, the dests that ``train_network.setup_parser()`` lacks.
+"""Generator of ``upstream_anima_train_network_flags.json`` and ``upstream_anima_train_flags.json`` (run with
+upstream's own Python): every option of upstream ``anima_train_network.setup_parser()`` (dest, action, type, nargs,
+default, choices; help texts left out) and ``anima_only``, the dests that ``train_network.setup_parser()`` lacks;
+and every option of upstream ``anima_train.setup_parser()`` (the full fine-tuning script) compared with its LoRA
+sibling ``anima_train_network.py``, in the format of ``upstream_finetune_facts.py``'s files (``anima_train_only``,
+``anima_train_network_only``, ``differs_from_anima_train_network``).
 
 Upstream reference: kohya-ss/sd-scripts commit 48d368fa. Run it from the upstream checkout with that checkout's
 virtual environment, for example, where PEER_DIR holds ``sd-scripts/``, ``venv/`` and the torchvision ``shim/``:
@@ -22,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from upstream_finetune_facts import make_flags  # noqa: E402
 from upstream_flux_facts import UPSTREAM_COMMIT, parser_flags  # noqa: E402
 
 
@@ -42,6 +46,7 @@ def main() -> None:
     out = args.out_dir / "upstream_anima_train_network_flags.json"
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {out}")
+    print(json.dumps(make_flags("anima_train", "anima_train_network", args.out_dir), indent=1))
 
 
 if __name__ == "__main__":

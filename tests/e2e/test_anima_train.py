@@ -4,6 +4,7 @@ cached latents and text-encoder outputs, full bf16 with stochastic rounding, and
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -86,12 +87,15 @@ def test_full_bf16_with_cached_latents_and_text_outputs(tmp_path):
     assert any(float(v.abs().max()) > 0 for v in ups) and all(torch.isfinite(v).all() for v in ups)
 
 
-def test_a_sample_prompt_draws_an_image(tmp_path):
+def test_a_sample_prompt_draws_an_image(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red square --w 64 --h 64 --s 3 --d 5 --l 4.0 --n blurry\n")
+    prompts.write_text("a red square --w 64 --h 64 --s 3 --d 5 --l 4.0 --n blurry --fs 5\n")
     out = tmp_path / "out"
     assert train(anima_args(out, "--max_train_steps", "1", "--sample_prompts", str(prompts),
                             "--sample_every_n_steps", "1")) == 0
+    assert "sample 00: 64x64, 3 steps, Euler, CFG 4, flow shift 5, seed 5" in caplog.text  # --fs read, not ignored
+    assert "--fs (flow_shift)" not in caplog.text
     (image,) = (out / "sample").iterdir()
     assert image.name.startswith("lora_000001_00") and image.name.endswith("_5.png")
     from PIL import Image

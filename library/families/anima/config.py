@@ -6,7 +6,7 @@ The flags are upstream sd-scripts' (48d368fa): ``train_util.add_dit_training_arg
 ``anima_train_network.setup_parser`` (``--unsloth_offload_checkpointing``), with upstream's names, defaults and
 choices. The checks reproduce ``AnimaNetworkTrainer.assert_extra_args``; where upstream silently ignores a flag (the
 component learning rates, ``--llm_adapter_path``, ``--fp8_base``, ``--v2`` ...) this script refuses it with what to
-do instead, and what it does not provide yet (block swapping, other attention backends) is refused the same way.
+do instead, and what it does not provide yet (other attention backends) is refused the same way.
 """
 
 from __future__ import annotations
@@ -78,13 +78,13 @@ class AnimaConfig(TextOutputCaching):
         "latents are the same)")
     cache_text_encoder_outputs: bool = flag(
         False, "encode every caption once with Qwen3 and train from the cached outputs (needs "
-        "--network_train_unet_only and captions that do not change: no shuffle, dropout or warm-up)")
+        "--network_train_unet_only and captions that do not change: no shuffle, tag dropout or warm-up; "
+        "caption_dropout_rate works)")
     cache_text_encoder_outputs_to_disk: bool = flag(
         False, "keep those outputs in <image>_anima_te.npz beside each image, reused by later runs with the same "
         "captions (implies --cache_text_encoder_outputs)")
     text_encoder_batch_size: int | None = flag(
-        None, "captions per batch when caching the text encoder's outputs; not read here (captions are encoded "
-        "in batches of --train_batch_size), a warning says so")
+        None, "captions per batch when caching the text encoder's outputs (default: the training batch size)")
     disable_mmap_load_safetensors: bool = flag(
         False, "read .safetensors model files into memory in one go instead of memory-mapping them (faster on WSL "
         "and network drives)")
@@ -97,8 +97,9 @@ class AnimaConfig(TextOutputCaching):
     logit_std: float = flag(1.0, "standard deviation of the normal draw of --weighting_scheme logit_normal")
     mode_scale: float = flag(1.29, "scale of --weighting_scheme mode")
     blocks_to_swap: int | None = flag(
-        None, "keep this many DiT blocks in host memory and move them to the device around their use (upstream, "
-        "at most 26); not provided for Anima here yet, refused when above 0")
+        None, "keep the weights of this many DiT blocks (the last ones) in host memory and move them to the device "
+        "around their use, to save device memory (at most the DiT's blocks - 2: 26 for Anima; not with "
+        "--cpu_offload_checkpointing)")
     unsloth_offload_checkpointing: bool = flag(
         False, "gradient checkpointing that keeps each block's input in host memory (upstream); not provided "
         "here, refused: use --gradient_checkpointing --cpu_offload_checkpointing")
@@ -143,19 +144,11 @@ def _unsupported(f: AnimaConfig) -> list[str]:
     if f.llm_adapter_path:
         problems.append("--llm_adapter_path: upstream never reads it (the LLM adapter is loaded from the DiT "
                         "file); remove it and give a DiT file that holds the llm_adapter.* weights")
-    given = [f"--{name}" for name in COMPONENT_LRS if getattr(f, name) is not None]
-    if given:
-        problems.append(f"{', '.join(given)}: per-component learning rates are anima_train.py's (full "
-                        "fine-tuning); the LoRA script ignores them upstream. Remove them and set LoRA learning "
-                        "rates per module with --network_args \"network_reg_lrs=regex=lr,...\"")
     if not f.sdpa:
         problems.append(f"--attn_mode {f.attn_mode}: not provided here; Anima's DiT runs PyTorch's "
                         "scaled-dot-product attention: drop the flag or use --attn_mode torch")
     if f.split_attn:
         problems.append("--split_attn is not provided here (it only saves memory upstream); remove it")
-    if f.blocks_to_swap:
-        problems.append(f"--blocks_to_swap {f.blocks_to_swap}: block swapping is not provided for Anima here yet; "
-                        "remove it (use --gradient_checkpointing, with --cpu_offload_checkpointing, to save memory)")
     if f.unsloth_offload_checkpointing:
         problems.append("--unsloth_offload_checkpointing is not provided here; use --gradient_checkpointing "
                         "--cpu_offload_checkpointing instead")
@@ -179,12 +172,18 @@ def _range_problems(f: AnimaConfig) -> list[str]:
 
 
 def _training_problems(cfg: TrainConfig) -> list[str]:
-    """Caching with a trained Qwen3 LoRA (upstream asserts), Huber's snr schedule (no DDPM schedule), a model file
-    without its text encoder and VAE."""
-    f, problems = cfg.family_config, []
-    if f.caches_text_encoder_outputs and not cfg.network.network_train_unet_only:
+    """The LoRA script's own: caching with a trained Qwen3 LoRA (upstream asserts) and the component learning rates
+    (anima_train.py's); then Huber's snr schedule (no DDPM schedule), a model file without its text encoder and
+    VAE."""
+    f, problems, lora = cfg.family_config, [], cfg.family.trained == "network"
+    if lora and f.caches_text_encoder_outputs and not cfg.network.network_train_unet_only:
         problems.append(f"{f.caching_flag}: the Qwen3 LoRA cannot train from cached outputs (upstream asserts "
                         "it); add --network_train_unet_only or drop the caching flag")
+    given = [f"--{name}" for name in COMPONENT_LRS if getattr(f, name) is not None]
+    if lora and given:
+        problems.append(f"{', '.join(given)}: per-component learning rates are anima_train.py's (full "
+                        "fine-tuning); the LoRA script ignores them upstream. Remove them and set LoRA learning "
+                        "rates per module with --network_args \"network_reg_lrs=regex=lr,...\"")
     loss = cfg.loss
     if loss.loss_type in ("huber", "smooth_l1") and loss.huber_schedule == "snr":
         problems.append(f"--loss_type {loss.loss_type} with --huber_schedule snr (the default): the snr schedule "
@@ -200,12 +199,19 @@ def _training_problems(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+def _swap_problems(cfg: TrainConfig) -> list[str]:
+    """``--blocks_to_swap`` and ``--cpu_offload_checkpointing`` exclude each other (upstream asserts it)."""
+    swapped = cfg.family_config.blocks_to_swap or 0
+    if swapped > 0 and cfg.precision.cpu_offload_checkpointing:
+        return [f"--blocks_to_swap {swapped} cannot be combined with --cpu_offload_checkpointing (as in sd-scripts): "
+                "both move the DiT's memory to the host; keep one"]
+    return []
+
+
 def anima_script_problems(cfg: TrainConfig) -> list[str]:
     """What ``anima_train_network.py`` refuses (upstream's ``AnimaNetworkTrainer.assert_extra_args`` plus the flags
     this trainer does not provide), beyond ``REFUSED_FLAGS`` / ``IGNORED_FLAGS``; each message says what to do."""
     f = cfg.family_config
-    if f.text_encoder_batch_size is not None:
-        log.warning("--text_encoder_batch_size is not read: captions are cached in batches of --train_batch_size")
     if f.cache_text_encoder_outputs_to_disk and not f.cache_text_encoder_outputs:
         log.warning("--cache_text_encoder_outputs_to_disk implies --cache_text_encoder_outputs (as in sd-scripts)")
-    return _unsupported(f) + _range_problems(f) + _training_problems(cfg)
+    return _unsupported(f) + _range_problems(f) + _training_problems(cfg) + _swap_problems(cfg)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from library.families.anima.text_encoding import AnimaCond, encode_prompts
+from library.families.anima.text_encoding import AnimaCond, drop_rows, encode_prompts
 from library.families.base import ModelFamily, ModelIds
 
 ANIMA_IMPLEMENTATION = "https://huggingface.co/circlestone-labs/Anima"
@@ -59,6 +59,19 @@ class AnimaFamily(ModelFamily):
 
         return load_anima_model(cfg.pretrained_model_name_or_path, cfg.vae, section, dtype, file_device)
 
+    def denoiser_device(self, section: Any, device: torch.device) -> torch.device:
+        """Where the loaded DiT goes: the training device, or the host with ``--blocks_to_swap`` (``place_denoiser``
+        then places all but the swapped blocks' weights on the device), so that the whole DiT is never there."""
+        swapping = section is not None and (section.blocks_to_swap or 0) > 0
+        return torch.device("cpu") if swapping else device
+
+    def place_denoiser(self, model: Any, section: Any, device: torch.device) -> None:
+        """``--blocks_to_swap N``: ``swap.py`` (the last N blocks' weights visit ``device`` around their use)."""
+        if section is not None and (section.blocks_to_swap or 0) > 0:
+            from library.families.anima.swap import enable_block_swap
+
+            enable_block_swap(model.unet, section.blocks_to_swap, device)
+
     def prepare_denoiser(self, model: Any, precision: Any, device: torch.device) -> None:
         """``--gradient_checkpointing`` per DiT block (``--cpu_offload_checkpointing``: outputs on the host); the
         attention is PyTorch's SDPA always (other ``--attn_mode`` values are refused)."""
@@ -66,14 +79,21 @@ class AnimaFamily(ModelFamily):
             model.unet.enable_gradient_checkpointing(cpu_offload=precision.cpu_offload_checkpointing)
 
     def objective(self, model: Any, cfg: Any, device: torch.device) -> Any:
-        """Flow matching (``objective.py``); the noisy input in upstream's weight dtype (the mixed dtype)."""
+        """Flow matching (``objective.py``); the noisy input and the timesteps in the DiT's dtype, as upstream makes
+        them: the mixed dtype for a LoRA (``anima_train_network.py``: ``weight_dtype``), the trained weights' for full
+        fine-tuning (``anima_train.py``: ``dit_weight_dtype``, fp32 unless ``--full_bf16`` / ``--full_fp16``)."""
         from library.config import NoiseConfig, PrecisionConfig
         from library.families.anima.config import AnimaConfig
         from library.families.anima.objective import AnimaObjective
+        from library.families.precision import precision_policy
 
         section, noise, precision = ((cfg.family_config, cfg.noise, cfg.precision) if cfg is not None
                                      else (AnimaConfig(), NoiseConfig(), PrecisionConfig()))
-        return AnimaObjective(anima_flow(section, noise), MIXED_DTYPES.get(precision.mixed_precision, torch.float32))
+        if cfg is not None and cfg.family.trained == "model":
+            dtype = precision_policy(precision).network_dtype
+        else:
+            dtype = MIXED_DTYPES.get(precision.mixed_precision, torch.float32)
+        return AnimaObjective(anima_flow(section, noise), dtype)
 
     def scale_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
         """``(z - latents_mean) * (1 / latents_std)`` per channel (upstream ``encode_pixels_to_latents``)."""
@@ -100,6 +120,10 @@ class AnimaFamily(ModelFamily):
         ready = {name: tensors[name].long() if name in ID_NAMES else tensors[name] for name in self.cache_names}
         return AnimaCond.from_cache(ready, device)
 
+    def drop_cached_captions(self, cond: AnimaCond, dropped: torch.Tensor) -> AnimaCond:
+        """The empty caption's outputs in the ``dropped`` rows (``text_encoding.drop_rows``)."""
+        return drop_rows(cond, dropped)
+
     def predict(self, model: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: AnimaCond, batch: dict,
                 dtype: torch.dtype) -> torch.Tensor:
         """The DiT's velocity for latents ``noisy`` [B, 16, H, W]: one frame added, timesteps / 1000 (sigmas in
@@ -122,4 +146,4 @@ class AnimaFamily(ModelFamily):
         from library.families.anima.sampling import anima_sample_settings
 
         settings = anima_sample_settings(prompt)
-        return f", {settings.steps} steps, Euler, CFG {settings.scale:g}"
+        return f", {settings.steps} steps, Euler, CFG {settings.scale:g}, flow shift {settings.flow_shift:g}"

@@ -3,8 +3,8 @@
 
 * Options: ``--w`` / ``--h`` (512, rounded down to a multiple of 16, at least 64), ``--s`` steps (30), ``--l`` CFG
   scale (7.5; CFG when above 1, with ``--n``, empty when not given), ``--d`` seed. A value the prompt file leaves out
-  takes Anima's default, not the SD one. ``--fs`` (flow shift) is dropped by the shared prompt reader (with a
-  warning), so the shift is always upstream's default 3.0.
+  takes Anima's default, not the SD one. ``--fs`` flow shift (3.0; the record's ``sample_flow_shift`` keeps it
+  in ``SamplePrompt.flow_shift``; upstream reads it with ``float()``).
 * Text: Qwen3 states of the prompt (and of the negative), through the DiT's LLM adapter with both masks, padded T5
   rows zeroed (``AnimaTransformer.text_context``).
 * Euler: noise ``(1, 16, 1, h/8, w/8)`` fp32 from the caller's generator (upstream: ``torch.manual_seed(seed)``),
@@ -36,6 +36,7 @@ class AnimaSampleSettings:
     steps: int
     scale: float
     seed: int | None
+    flow_shift: float
 
 
 def anima_sample_settings(prompt: Any) -> AnimaSampleSettings:
@@ -45,7 +46,8 @@ def anima_sample_settings(prompt: Any) -> AnimaSampleSettings:
     return AnimaSampleSettings(
         prompt=prompt.prompt, negative=prompt.negative_prompt or "", width=width, height=height,
         steps=prompt.steps if "sample_steps" in given else DEFAULT_STEPS,
-        scale=prompt.scale if "scale" in given else DEFAULT_SCALE, seed=prompt.seed)
+        scale=prompt.scale if "scale" in given else DEFAULT_SCALE, seed=prompt.seed,
+        flow_shift=DEFAULT_FLOW_SHIFT if prompt.flow_shift is None else prompt.flow_shift)
 
 
 def shifted_sigmas(steps: int, shift: float = DEFAULT_FLOW_SHIFT) -> list[float]:
@@ -64,11 +66,12 @@ def _context(model: Any, dit: torch.nn.Module, text: str, device: torch.device, 
 
 
 def sample_latents(dit: torch.nn.Module, positive: torch.Tensor, negative: torch.Tensor | None, scale: float,
-                   noise: torch.Tensor, steps: int) -> torch.Tensor:
-    """Euler from ``noise`` (fp32, 5D) along the shifted sigmas; CFG with ``negative`` when ``scale`` > 1."""
+                   noise: torch.Tensor, steps: int, shift: float = DEFAULT_FLOW_SHIFT) -> torch.Tensor:
+    """Euler from ``noise`` (fp32, 5D) along the sigmas shifted by ``shift``; CFG with ``negative`` when ``scale``
+    > 1."""
     dtype = positive.dtype
     x = noise
-    sigmas = shifted_sigmas(steps)
+    sigmas = shifted_sigmas(steps, shift)
     for sigma, following in zip(sigmas[:-1], sigmas[1:], strict=True):
         t = torch.full((x.shape[0],), sigma, device=x.device, dtype=dtype)
         v = dit(x.to(dtype), t, positive).float()
@@ -93,7 +96,7 @@ def anima_sample_image(model: Any, dit: torch.nn.Module, prompt: Any, generator:
     shape = (1, 16, 1, settings.height // 8, settings.width // 8)
     noise_device = generator.device if generator is not None else torch.device("cpu")
     noise = torch.randn(shape, generator=generator, device=noise_device, dtype=torch.float32).to(device)
-    latents = sample_latents(dit, positive, negative, settings.scale, noise, settings.steps)
+    latents = sample_latents(dit, positive, negative, settings.scale, noise, settings.steps, settings.flow_shift)
     pixels = decode_latents(model.vae.inner, latents.to(model.vae.dtype))[:, :, 0]
     pixels = torch.nan_to_num(pixels.float(), nan=-1.0, posinf=-1.0, neginf=-1.0)
     scaled = 127.5 * (pixels.clamp(-1, 1).permute(0, 2, 3, 1) + 1.0)

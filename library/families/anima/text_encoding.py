@@ -15,8 +15,11 @@ Upstream sd-scripts 48d368fa ``library/strategy_anima.py``:
 - ``AnimaTextEncodingStrategy.encode_tokens``: ``Qwen3Model(input_ids, attention_mask).last_hidden_state`` (after
   the final norm) with the rows of padded tokens set to zero; masks and T5 ids pass through.
 - ``drop_cached_text_encoder_outputs``: with cached outputs, a dropped caption's row becomes what encoding ``""``
-  gives (zero states, zero Qwen3 mask, T5 ``[1, 0, ...]`` / ``[1, 0, ...]``), drawn with ``random.random()`` for
-  every row once any rate is non-zero.
+  gives (zero states, zero Qwen3 mask, T5 ``[1, 0, ...]`` / ``[1, 0, ...]``): ``drop_rows``. Which rows: upstream
+  draws ``random.random() < rate`` per row at each step from Python's global generator (once any rate is non-zero);
+  here the data stage draws it for each image with the generator of its batch slot, the draw that drops the caption
+  without caching (``library/data/batches.py`` ``captions_dropped``), so a seeded run drops the same images with
+  and without cached outputs and a resumed one drops what the uninterrupted run drops.
 
 Tokenizers (``anima_utils.load_qwen3_tokenizer`` / ``load_t5_tokenizer``): Qwen3's from a Qwen3 checkpoint folder,
 else the bundled one (``library/assets/qwen3_tokenizer``, upstream's ``configs/qwen3_06b``); T5's from
@@ -26,7 +29,6 @@ upstream's ``configs/t5_old/tokenizer.json``).
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -131,22 +133,11 @@ def encode_prompts(qwen3: Qwen3Model, qwen3_tokenizer, t5_tokenizer, captions: s
     return encode_tokens(qwen3, tokens, device)
 
 
-def draw_dropped(rates: Sequence[float] | torch.Tensor | None, rng: random.Random | None = None) -> list[bool]:
-    """Which cached rows caption dropout drops: none when every rate is 0 (no draw), else one ``random()`` per row
-    (upstream's draws, from the ``random`` module unless ``rng`` is given), dropped when below its rate."""
-    rates = [] if rates is None else [float(rate) for rate in rates]
-    if all(rate == 0.0 for rate in rates):
-        return [False] * len(rates)
-    draw = (rng or random).random
-    return [draw() < rate for rate in rates]
-
-
-def drop_rows(cond: AnimaCond, dropped: Sequence[bool]) -> AnimaCond:
-    """``cond`` with the ``dropped`` rows replaced by an empty caption's encoding (see the module docstring); new
-    tensors, ``cond``'s untouched."""
-    rows = torch.as_tensor(list(dropped), dtype=torch.bool, device=cond.prompt_embeds.device)
-    if not bool(rows.any()):
-        return cond
+def drop_rows(cond: AnimaCond, dropped: Sequence[bool] | torch.Tensor) -> AnimaCond:
+    """``cond`` with the ``dropped`` rows (a [B] bool tensor on ``cond``'s device, or a list) replaced by an empty
+    caption's encoding (see the module docstring); new tensors, ``cond``'s untouched. No host sync: the caller
+    decides on the host whether any row is dropped."""
+    rows = torch.as_tensor(dropped, dtype=torch.bool, device=cond.prompt_embeds.device)
     empty_t5 = torch.zeros_like(cond.t5_input_ids[0])
     empty_t5[0] = T5_EOS_ID
     empty_t5_mask = torch.zeros_like(cond.t5_attn_mask[0])

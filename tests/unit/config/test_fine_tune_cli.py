@@ -31,7 +31,8 @@ DATA = Path(__file__).resolve().parents[2] / "data"
 SCRIPT_FACTS = {"fine_tune.py": ("sd", "train_network.py", "builtin:tiny-sd15"),
                 "train_db.py": ("sd", "train_network.py", "builtin:tiny-sd15"),
                 "sdxl_train.py": ("sdxl", "sdxl_train_network.py", "builtin:tiny-sdxl"),
-                "flux_train.py": ("flux", "flux_train_network.py", "builtin:tiny-flux")}
+                "flux_train.py": ("flux", "flux_train_network.py", "builtin:tiny-flux"),
+                "anima_train.py": ("anima", "anima_train_network.py", "builtin:tiny-anima")}
 NAMES = list(SCRIPT_FACTS)
 
 
@@ -130,7 +131,7 @@ CASE_IDS = [f"{script}-{flag['dest']}" for script, flag in CASES]
 
 
 def test_the_lists_are_upstreams():
-    assert [len(UPSTREAM[s]["flags"]) for s in NAMES] == [167, 169, 176, 194]
+    assert [len(UPSTREAM[s]["flags"]) for s in NAMES] == [167, 169, 176, 194, 195]
     assert _own("fine_tune.py") == ["use_safetensors", "diffusers_xformers", "train_text_encoder", "learning_rate_te"]
     assert _own("train_db.py") == ["use_safetensors", "learning_rate_te", "no_token_padding",
                                    "stop_text_encoder_training"]
@@ -139,6 +140,7 @@ def test_the_lists_are_upstreams():
     assert _own("flux_train.py") == ["use_safetensors", "mem_eff_save", "fused_optimizer_groups",
                                      "blockwise_fused_optimizers", "skip_latents_validity_check",
                                      "double_blocks_to_swap", "single_blocks_to_swap"]
+    assert _own("anima_train.py") == ["use_safetensors", "skip_latents_validity_check"]
 
 
 @pytest.mark.parametrize("script,flag", CASES, ids=CASE_IDS)
@@ -285,6 +287,9 @@ REFUSALS = [
     ("flux_train.py", ["--blockwise_fused_optimizers", "--fused_backward_pass"],
      "--fused_backward_pass and --blockwise_fused_optimizers: each steps the weights inside backward; give one"),
     ("flux_train.py", ["--model_type", "chroma"], "--model_type chroma without --apply_t5_attn_mask"),
+    ("anima_train.py", ["--save_model_as", "diffusers"], "--save_model_as diffusers: anima_train.py writes one "
+     ".safetensors file with the DiT's 'net.' keys"),
+    ("anima_train.py", ["--mlp_lr=-1e-4"], "--mlp_lr -0.0001: must not be negative"),
 ]
 
 
@@ -324,7 +329,9 @@ def test_the_entry_script_stops_with_exit_2(script, argv, message, tmp_path, cap
                                          ("flux_train.py", ["--cache_text_encoder_outputs"]),
                                          ("flux_train.py", ["--save_model_as", "safetensors", "--use_safetensors"]),
                                          ("flux_train.py", ["--blockwise_fused_optimizers", "--mem_eff_save"]),
-                                         ("flux_train.py", ["--fused_optimizer_groups", "4"])])
+                                         ("flux_train.py", ["--fused_optimizer_groups", "4"]),
+                                         ("anima_train.py", ["--cache_text_encoder_outputs", "--mlp_lr", "0",
+                                                             "--llm_adapter_lr", "1e-5"])])
 def test_what_runs_passes(script, argv, tmp_path):
     assert _problems(script, argv, tmp_path) == []
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from library.config.dataset import SubsetSpec
-from library.data.captions import CaptionState, count_tags, process_caption, warmup_steps
+from library.data.captions import CaptionState, caption_dropped, count_tags, shape_caption, warmup_steps
 
 STATE = CaptionState(epoch=1, step=0, max_train_steps=100)
 
@@ -17,7 +17,9 @@ def sub(**kw) -> SubsetSpec:
 
 
 def run(caption: str, seed: int = 0, state: CaptionState = STATE, **kw) -> str:
-    return process_caption(caption, sub(**kw), random.Random(seed), state)
+    """The caption a step sees, as ``library/data/batches.py`` makes it."""
+    rng, spec = random.Random(seed), sub(**kw)
+    return "" if caption_dropped(spec, rng, state) else shape_caption(caption, spec, rng, state)
 
 
 def test_untouched_without_options():

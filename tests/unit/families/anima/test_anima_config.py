@@ -56,11 +56,14 @@ def test_help_lists_every_upstream_flag():
 def test_the_defaults_validate():
     assert problems() == []
     assert problems("--attn_mode", "sdpa") == problems("--attn_mode", "torch") == []
+    assert problems("--blocks_to_swap", "26") == []  # the limit is the loaded DiT's (depth - 2), checked then
 
 
 @pytest.mark.parametrize(("flags", "said"), [
     (("--fp8_base",), "--fp8_base"), (("--v2",), "--v2"), (("--clip_skip", "2"), "--clip_skip"),
-    (("--max_token_length", "150"), "--qwen3_max_token_length"), (("--blocks_to_swap", "4"), "block swapping"),
+    (("--max_token_length", "150"), "--qwen3_max_token_length"),
+    (("--blocks_to_swap", "4", "--gradient_checkpointing", "--cpu_offload_checkpointing"),
+     "--blocks_to_swap 4 cannot be combined with --cpu_offload_checkpointing"),
     (("--mlp_lr", "1e-4"), "network_reg_lrs"), (("--llm_adapter_path", "a.safetensors"), "llm_adapter"),
     (("--attn_mode", "flash"), "--attn_mode flash"), (("--split_attn",), "--split_attn"),
     (("--unsloth_offload_checkpointing",), "--cpu_offload_checkpointing"),

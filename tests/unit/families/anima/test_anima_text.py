@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -23,19 +22,14 @@ from safetensors.torch import load_file, save_file
 from library.families.anima import text_encoder, text_encoding
 from library.families.anima.model import AnimaTransformer
 from library.families.anima.params import TINY
+from tests.parity import close
 
 DATA = Path(__file__).resolve().parents[3] / "data"
 FACTS = json.loads((DATA / "upstream_anima_text.json").read_text())
 REF = load_file(str(DATA / "upstream_anima_text.safetensors"))
 CAPTIONS = FACTS["captions"]
-FP32_RTOL = 1e-5
 TOKEN_NAMES = ("qwen3_ids", "qwen3_mask", "t5_ids", "t5_mask")
 COND_NAMES = ("prompt_embeds", "attn_mask", "t5_input_ids", "t5_attn_mask")
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
-    worst = (actual.float() - expected.float()).abs().max()
-    return actual.shape == expected.shape and bool(worst <= FP32_RTOL * expected.float().abs().max())
 
 
 def reference_tokens(prefix: str) -> text_encoding.AnimaTokens:
@@ -207,22 +201,13 @@ def test_a_dropped_row_is_the_empty_captions_encoding():
         assert all(torch.equal(r, row) for r in getattr(dropped, name)), name
 
 
-def test_dropping_nothing_keeps_the_tensors_and_dropping_copies():
+def test_dropping_nothing_keeps_the_values_and_dropping_copies():
     cond = reference_cond("enc")
-    assert text_encoding.drop_rows(cond, [False] * len(CAPTIONS)) is cond
+    kept = text_encoding.drop_rows(cond, torch.zeros(len(CAPTIONS), dtype=torch.bool))
+    assert all(torch.equal(getattr(kept, name), getattr(cond, name)) for name in COND_NAMES)
     before = cond.prompt_embeds.clone()
     text_encoding.drop_rows(cond, [True] * len(CAPTIONS))
     assert torch.equal(cond.prompt_embeds, before)
-
-
-def test_drop_draws_as_upstream():
-    rng = random.Random(5)
-    assert text_encoding.draw_dropped([0.0, 0.0], rng) == [False, False]
-    assert rng.random() == random.Random(5).random()  # all-zero rates draw nothing
-    rng, twin = random.Random(7), random.Random(7)
-    rates = [0.0, 0.5, 1.0, 0.3]
-    assert text_encoding.draw_dropped(rates, rng) == [twin.random() < rate for rate in rates]
-    assert text_encoding.draw_dropped(None) == []
 
 
 def test_the_conditioning_feeds_the_dit_and_the_cache():

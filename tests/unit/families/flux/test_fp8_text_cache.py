@@ -82,7 +82,7 @@ def test_cached_outputs_as_upstream(tiny_dir, case, t5_file):
     data = CaptionData(META["captions"])
     encode_caches.cache_text_encoder_outputs(data, model, family, policy, CPU, to_disk=False, max_token_length=None,
                                              batch_size=len(META["captions"]),
-                                             suffix=family_spec("flux").text_cache_suffix)
+                                             record=family_spec("flux"))
     for name in ("l_pooled", "t5_out"):
         ours, theirs = data.outputs[name], UPSTREAM[f"{case}.{name}"]
         assert ours.shape == theirs.shape
