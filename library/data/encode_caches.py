@@ -92,14 +92,21 @@ def latent_generator(seed: int, device: torch.device, cpu_draws: int) -> torch.G
     return generator
 
 
+ID_CHUNK = 1 << 22  # elements hashed at a time (16 MB in fp32)
+
+
 def module_id(*modules: torch.nn.Module) -> str:
     """Identify frozen models by their weights (the first tensors are enough to tell checkpoints apart) and dtype,
-    so that a cache written with other text encoders (another checkpoint, fp16 vs fp32) is rebuilt."""
+    so that a cache written with other text encoders (another checkpoint, fp16 vs fp32) is rebuilt. Hashed in
+    chunks of ``ID_CHUNK`` elements: a whole fp32 copy of Qwen3's 151,936 x 1,024 embedding and its bytes would add
+    1.2 GB to the run's peak host memory."""
     digest = hashlib.sha1()
     for module in modules:
         digest.update(str(next(module.parameters()).dtype).encode())
         for param in list(module.parameters())[:4]:
-            digest.update(param.detach().float().cpu().numpy().tobytes())
+            flat = param.detach().reshape(-1)
+            for start in range(0, flat.numel(), ID_CHUNK):
+                digest.update(flat[start:start + ID_CHUNK].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
