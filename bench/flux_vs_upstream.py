@@ -123,9 +123,10 @@ def child(trainer: str, argv: list[str], upstream: bool) -> int:
 
 
 def run_side(side: tuple, train_args: list[str], threads: int, log_file: Path,
-             extra_env: dict[str, str] | None = None) -> dict:
-    """One trainer run in a child process (``extra_env`` added to its environment, e.g. ``VS_UPSTREAM_STAMP``); its
-    report, or ``{"error": ...}`` with the reason it failed."""
+             extra_env: dict[str, str] | None = None, script: Path | None = None) -> dict:
+    """One trainer run in a child process (``extra_env`` added to its environment, e.g. ``VS_UPSTREAM_STAMP``) of
+    ``script``'s ``--child`` / ``--child-upstream`` mode (default: this file's); its report, or ``{"error": ...}``
+    with the reason it failed."""
     from vs_upstream import MARKER, load_average
 
     python, cwd, pythonpath, trainer, upstream = side
@@ -134,8 +135,8 @@ def run_side(side: tuple, train_args: list[str], threads: int, log_file: Path,
     env.pop("PYTHONPATH", None)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    command = [python, str(Path(__file__).resolve()), "--child-upstream" if upstream else "--child", trainer,
-               *train_args]
+    mode = "--child-upstream" if upstream else "--child"
+    command = [python, str(script or Path(__file__).resolve()), mode, trainer, *train_args]
     load, began = load_average(), time.perf_counter()
     with log_file.open("w") as out:
         code = subprocess.run(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, check=False).returncode

@@ -1,7 +1,7 @@
 """The GPU checks of issues 13 and 22 in one command, within one time budget: the hashed bits and stochastic
 rounding on Triton, the compiled SR AdamW kernel against the eager one, the optimizer step, train_network.py's
-s/step and peak CUDA memory on the SD1.5 architecture, and flux_train_network.py's on FLUX.1 at reduced depth (issue
-23).
+s/step and peak CUDA memory on the SD1.5 architecture, flux_train_network.py's on FLUX.1 at reduced depth (issue
+23), the full fine-tuning scripts' (sections 5 and 6) and Anima's trainers' (section 7).
 
     timeout 590 .venv/bin/python bench/gpu.py --out gpu.md   # on CUDA (default --budget_s 450, under 10 minutes)
     .venv/bin/python bench/gpu.py --dry_run --out g.md       # anywhere: the same code paths at tiny sizes, on the CPU
@@ -31,6 +31,11 @@ Without CUDA (and without ``--dry_run``) it prints why and exits 0 without writi
    Adafactor recipe and fused StochasticAdamW, each plain and with ``--blocks_to_swap 5``, and StochasticAdamW
    swapped with ``--offload_optimizer_state``: s/step and the loop's peak CUDA memory. It needs a run of its own:
    ``--sections 6``.
+7. Anima training (``bench/gpu_anima.py``): ``anima_train_network.py`` and ``anima_train.py`` on Anima's widths
+   (2048, the real LLM adapter) with 8 DiT blocks, 2 Qwen3 layers at Qwen3-0.6B's widths and the real VAE
+   (``bench/anima_files.py``) at 1024 px, batch 1, gradient checkpointing: LoRA in mixed bf16 (AdamW) and in full
+   bf16 (StochasticAdamW), and full fine-tuning in full bf16 with StochasticAdamW and the fused backward pass: s/step
+   and the loop's peak CUDA memory. It needs a run of its own: ``--sections 7``.
 
 ``--sections`` picks sections by number (default: all, in order).
 
@@ -61,6 +66,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu_anima import anima_training  # noqa: E402
 from bench.gpu_checks import kernel_checks  # noqa: E402
 from bench.gpu_finetune import fine_tuning  # noqa: E402
 from bench.gpu_flux import flux_training  # noqa: E402
@@ -87,6 +93,7 @@ SECTIONS: list[tuple[str, Section]] = [
     ("4. FLUX.1 training", flux_training),
     ("5. Full fine-tuning, SDXL", fine_tuning),
     ("6. FLUX.1 full fine-tuning", flux_fine_tuning),
+    ("7. Anima training", anima_training),
 ]
 
 

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from bench import gpu, gpu_finetune, gpu_flux, gpu_flux_finetune, gpu_training
+from bench import gpu, gpu_anima, gpu_finetune, gpu_flux, gpu_flux_finetune, gpu_training
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,6 +55,15 @@ def test_dry_run_writes_every_section_and_prints_the_median(tmp_path, capsys, mo
     assert "StochasticAdamW, fused backward, --blocks_to_swap 5, --offload_optimizer_state" in labels
     assert all(float(line.split("|")[2]) > 0 and int(line.split("|")[3]) == 3 for line in fine)
     assert "builtin:tiny-flux:double=4,single=8 written as files" in report
+    # Anima: both LoRA rows (anima_train_network.py) and the fused full fine-tuning row (anima_train.py), each
+    # printed twice, each with a median over 3 timed updates, on the tiny-width files at 2 blocks
+    labels = tuple(f"| {label} |" for label in gpu_anima.ROWS)
+    anima = [line for line in printed.splitlines() if line.startswith(labels)]
+    assert [line.split("|")[1].strip() for line in anima] == list(gpu_anima.ROWS) * 2
+    assert [line.split("|")[2].strip() for line in anima[:3]] == ["`anima_train_network.py`"] * 2 + [
+        "`anima_train.py`"]
+    assert all(float(line.split("|")[3]) > 0 and int(line.split("|")[4]) == 3 for line in anima)
+    assert "tiny-anima widths, 2 DiT block(s), 2 Qwen3 layer(s), random weights: written as files" in report
 
 
 def test_sections_picks_the_sections_to_run(tmp_path):
