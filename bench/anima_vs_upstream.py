@@ -210,8 +210,9 @@ def report(args: argparse.Namespace, rows: list[str], results: tuple, shown: str
     from vs_upstream import cpu_bf16, git_head, upstream_versions
 
     runs, failures, precisions = results
+    shown_argv = [a for i, a in enumerate(sys.argv[1:]) if "--model_dir" not in (a, sys.argv[i])]  # a cache only
     command = (f"OMP_NUM_THREADS={args.threads} HF_HUB_OFFLINE=1 .venv/bin/python bench/anima_vs_upstream.py "
-               f"{shlex.join(sys.argv[1:])}").rstrip()
+               f"{shlex.join(shown_argv)}").rstrip()
     loads = "; ".join(f"{r['load']} -> {r['load_after']}" for side_runs in runs.values() for r in side_runs)
     precision = "\n".join(f"- {side}, {row}: " + " / ".join(f"`{line}`" for line in lines)
                           for (side, row), lines in precisions.items() if lines)

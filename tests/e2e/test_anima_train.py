@@ -107,3 +107,19 @@ def test_a_sample_prompt_draws_an_image(tmp_path, caplog):
 def test_caching_without_unet_only_is_refused(tmp_path, capsys):
     assert train(anima_args(tmp_path / "out", "--cache_text_encoder_outputs")) == 2
     assert "--network_train_unet_only" in capsys.readouterr().err
+
+
+def test_validation_loss_is_logged_and_changes_nothing(tmp_path):
+    """``--validation_split`` on Anima (cached latents and text outputs, validation images cached alike): the
+    validation loss is logged at each step, finite, and validating leaves the LoRA bit for bit as it was."""
+    from tests.e2e.test_validation import scalars
+
+    common = ("--validation_split", "0.25", "--cache_latents", "--cache_text_encoder_outputs",
+              "--network_train_unet_only")
+    assert train(anima_args(tmp_path / "val", *common, "--validate_every_n_steps", "1", "--logging_dir",
+                            str(tmp_path / "logs"))) == 0
+    assert train(anima_args(tmp_path / "silent", *common, "--validate_every_n_epochs", "100")) == 0
+    validating, silent = (load_file(tmp_path / run / "lora.safetensors") for run in ("val", "silent"))
+    assert validating.keys() == silent.keys() and all(torch.equal(validating[k], silent[k]) for k in silent)
+    logged = scalars(tmp_path / "logs")["loss/validation/step_average"]
+    assert [step for step, _ in logged] == [1, 2] and all(0 < value < float("inf") for _, value in logged)
