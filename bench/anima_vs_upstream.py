@@ -63,7 +63,7 @@ if str(BENCH) not in sys.path:
 from finetune_vs_upstream import ADAFACTOR  # noqa: E402
 from finetune_vs_upstream import step_seconds as tick_seconds  # noqa: E402
 from flux_vs_upstream import run_side  # noqa: E402
-from vs_upstream import harness_args, load_average, run_flags  # noqa: E402
+from vs_upstream import harness_args, run_flags  # noqa: E402
 from vs_upstream import step_seconds as hook_seconds  # noqa: E402
 
 LORA, FULL = "anima_train_network.py", "anima_train.py"
@@ -151,30 +151,15 @@ def run_once(args: argparse.Namespace, row: str, side: str, common: list[str], r
 def measure(args: argparse.Namespace, rows: list[str], common: list[str], tmp: Path) -> tuple[dict, list, dict]:
     """Every row on each side that runs it, interleaved, ``--rounds`` times: the children's reports, a line per
     failed run, and the precision lines of the first round's runs."""
-    from flux_finetune_vs_upstream import precision_lines
+    from rounds import RoundResults
 
-    runs: dict[tuple[str, str], list[dict]] = {}
-    failures: list[str] = []
-    precisions: dict[tuple[str, str], list[str]] = {}
+    collected = RoundResults(lambda report: update_seconds(report, args.warmup))
     for round_index in range(args.rounds):
         for row in rows:
             for side in ("ours", "upstream") if ROWS[row][2] is not None else ("ours",):
                 run = tmp / f"{side}-{list(ROWS).index(row)}-{round_index}"
-                report = run_once(args, row, side, common, run)
-                if round_index == 0:
-                    precisions[(side, row)] = precision_lines(run.with_suffix(".log"))
-                if "error" in report:
-                    print(f"round {round_index + 1} {row} {side}: FAILED: {report['error']} "
-                          f"(log {run.with_suffix('.log')})", flush=True)
-                    failures.append(f"round {round_index + 1}, {row}, {side}: `{report['error']}`")
-                    continue
-                report["load_after"] = load_average()
-                runs.setdefault((side, row), []).append(report)
-                print(f"round {round_index + 1} {row} {side}: {update_seconds(report, args.warmup):.2f} s/step, "
-                      f"peak RSS {report['peak_rss_at_last_step_bytes'] / 2**30:.2f} GiB (with the save "
-                      f"{report['peak_rss_bytes'] / 2**30:.2f}), load {report['load']} -> {report['load_after']}, "
-                      f"{report['wall']:.0f} s", flush=True)
-    return runs, failures, precisions
+                collected.add(round_index, row, side, run_once(args, row, side, common, run), run.with_suffix(".log"))
+    return collected.results()
 
 
 def parse() -> argparse.Namespace:

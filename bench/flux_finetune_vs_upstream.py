@@ -38,7 +38,6 @@ writes ``bench/results/flux-finetune-vs-upstream-<date>.md`` and prints it.
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import shutil
 import statistics
@@ -55,7 +54,8 @@ for _path in (str(ROOT), str(BENCH)):
 from common import machine, publish, write_images  # noqa: E402
 from finetune_vs_upstream import ADAFACTOR, step_seconds  # noqa: E402
 from flux_vs_upstream import model_name, run_side, tokenizer_cache, write_model_files  # noqa: E402
-from vs_upstream import cpu_bf16, git_head, harness_args, load_average, run_flags, upstream_versions  # noqa: E402
+from rounds import RoundResults  # noqa: E402
+from vs_upstream import cpu_bf16, git_head, harness_args, run_flags, upstream_versions  # noqa: E402
 
 from library.families.flux.swap import max_blocks_to_swap  # noqa: E402
 
@@ -74,7 +74,6 @@ ROWS = {
     f"bf16, StochasticAdamW, fused backward, {SWAP}, --offload_optimizer_state": (
         [*SR_FUSED, *SWAP.split(), "--offload_optimizer_state"], False),
 }
-PRECISION_LINE = re.compile(r"bf16|bfloat16|dtype|precision|stochastic", re.IGNORECASE)
 
 
 def medians(side_runs: list[dict] | None, warmup: int) -> tuple[float, float] | None:
@@ -110,13 +109,6 @@ def table(runs: dict[tuple[str, str], list[dict]], rows: list[str], warmup: int)
     return "\n".join(lines)
 
 
-def precision_lines(log: Path, limit: int = 6) -> list[str]:
-    """The log lines of a run that say which dtypes it trains in (at most ``limit``)."""
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
-             if PRECISION_LINE.search(line) and '"stamps"' not in line]
-    return [line[:220] for line in lines[:limit]]
-
-
 def upstream_folder(tmp: Path, tokenizers: Path) -> Path:
     """The working folder of upstream's runs: the tokenizers under their hub ids (``openai/clip-vit-large-patch14``,
     ``google/t5-v1_1-xxl``), which ``from_pretrained`` reads as local folders. Upstream's ``flux_train.py`` builds
@@ -137,9 +129,7 @@ def measure(args: argparse.Namespace, rows: list[str], common: list[str], tmp: P
     sides = {"ours": (sys.executable, ROOT, None, str(ROOT / "flux_train.py"), False),
              "upstream": (args.upstream_python, upstream_cwd, args.upstream_pythonpath,
                           str(args.upstream_dir / "flux_train.py"), True)}
-    runs: dict[tuple[str, str], list[dict]] = {}
-    failures: list[str] = []
-    precisions: dict[tuple[str, str], list[str]] = {}
+    collected = RoundResults(lambda report: step_seconds(report, args.warmup))
     for round_index in range(args.rounds):
         for row in rows:
             flags, both = ROWS[row]
@@ -151,19 +141,8 @@ def measure(args: argparse.Namespace, rows: list[str], common: list[str], tmp: P
                 report = run_side(spec, [*common, *flags, "--output_dir", str(tmp / name)], args.threads, log,
                                   {"VS_UPSTREAM_STAMP": "scheduler"})
                 shutil.rmtree(tmp / name, ignore_errors=True)
-                if round_index == 0:
-                    precisions[(side, row)] = precision_lines(log)
-                if "error" in report:
-                    print(f"round {round_index + 1} {row} {side}: FAILED: {report['error']} (log {log})", flush=True)
-                    failures.append(f"round {round_index + 1}, {row}, {side}: `{report['error']}`")
-                    continue
-                report["load_after"] = load_average()
-                runs.setdefault((side, row), []).append(report)
-                print(f"round {round_index + 1} {row} {side}: {step_seconds(report, args.warmup):.2f} s/step, "
-                      f"peak RSS {report['peak_rss_at_last_step_bytes'] / 2**30:.2f} GiB (with the save "
-                      f"{report['peak_rss_bytes'] / 2**30:.2f}), load {report['load']} -> {report['load_after']}, "
-                      f"{report['wall']:.0f} s", flush=True)
-    return runs, failures, precisions
+                collected.add(round_index, row, side, report, log)
+    return collected.results()
 
 
 def parse() -> argparse.Namespace:
