@@ -2,8 +2,8 @@
 ``test_flux_distributed.py`` runs FLUX.1: the shared machinery (gradient averaging, caches split between processes,
 saving on the main process, exact resume, block swapping, the fused backward pass) with Anima's model.
 
-One launch of this file as a script (``drive``: ``tests/e2e/ddp_driver.run_one`` for each run of the plan) runs the
-cases; each process records its exit code and its network's (or DiT's) weights.
+One launch of ``tests/e2e/ddp_driver.py`` (its ``run_one`` for each run of the plan) runs the cases; each process
+records its exit code and its network's (or DiT's) weights.
 
 * ``bf16``: full bf16 + StochasticAdamW, accumulation 2, cached latents and text-encoder outputs,
   ``--network_train_unet_only``, 4 updates with the state saved after 2; ``bf16_resumed`` resumes from there on
@@ -17,21 +17,16 @@ cases; each process records its exit code and its network's (or DiT's) weights.
 from __future__ import annotations
 
 import json
-import logging
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests import launching  # noqa: E402
-from tests.e2e import ddp_driver  # noqa: E402
-from tests.e2e.test_train_network import SAMPLES  # noqa: E402
-from tests.launching import launch_env, torchrun  # noqa: E402
+from tests import launching
+from tests.e2e import ddp_driver
+from tests.e2e.test_train_network import SAMPLES
+from tests.launching import launch_env, torchrun
 
 FULL_BF16_SR = ("--mixed_precision", "bf16", "--full_bf16", "--optimizer_type", "StochasticAdamW")
 BF16_CACHED = (*FULL_BF16_SR, "--gradient_accumulation_steps", "2", "--cache_latents", "--cache_text_encoder_outputs",
@@ -66,8 +61,8 @@ def plan(out: Path) -> list[dict]:
         "fine_tune_swap": fine_tune(anima_args(out / "fine_tune_swap", *FINE_TUNE_SWAP, "--blocks_to_swap", "2")),
         "fine_tune_no_swap": fine_tune(anima_args(out / "fine_tune_no_swap", *FINE_TUNE_SWAP)),
     }
-    return [{"name": name, "args": args, "script": "anima_train.py" if name.startswith("fine_tune") else None}
-            for name, args in runs.items()]
+    return [{"name": name, "args": args, "family": "anima",
+             "script": "anima_train.py" if name.startswith("fine_tune") else None} for name, args in runs.items()]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +70,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("anima_ddp")
     plan_file, recorded = root / "plan.json", root / "recorded"
     plan_file.write_text(json.dumps(plan(root / "runs")))
-    done = launching.launch([torchrun(str(Path(__file__).resolve()), str(plan_file), str(recorded))], launch_env(),
-                            RUNS, "the launch of tests/e2e/test_anima_distributed.py")
+    driver = str(Path(ddp_driver.__file__).resolve())
+    done = launching.launch([torchrun(driver, str(plan_file), str(recorded))], launch_env(), RUNS,
+                            "the launch of tests/e2e/ddp_driver.py for test_anima_distributed.py")
     complete = [n for n in RUNS if all((recorded / n / f"rank{r}.json").is_file() for r in range(2))]
     problem = done.problem(note=f"runs complete: {', '.join(complete) or 'none'}")
     failed = {} if problem is None else dict.fromkeys([n for n in RUNS if n not in complete], problem)
@@ -138,22 +134,3 @@ def test_anima_train_swapping_on_two_processes_equals_no_swapping(runs):
     assert any(key.startswith("net.blocks.3.") for key in swapped)  # the DiT's own weights
     assert differing(swapped, plain) == []
 
-
-def drive() -> None:
-    """Under torchrun: every run of the plan file ``argv[1]``, recorded under ``argv[2]`` (``ddp_driver.run_one``)."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.__stderr__)
-    dist.init_process_group("gloo")
-    items, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
-    for item in items:
-        started = time.monotonic()
-        ddp_driver.run_one(item["args"], {}, out / item["name"], dist.get_rank(), "anima", item["script"])
-        print(f"test_anima_distributed: process {dist.get_rank()}: {item['name']} took "
-              f"{time.monotonic() - started:.1f} s", file=sys.__stderr__, flush=True)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    drive()
