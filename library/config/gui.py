@@ -19,10 +19,15 @@ GUI_ONLY_KEYS: dict[str, str] = {
     "no_token_padding": "the DreamBooth tab's No token padding box (written for sdxl_train.py too), a flag of "
                         "sd-scripts' train_db.py that it reads nowhere",
     "learning_rate_te": "the DreamBooth and Finetune tabs' text encoder learning rate (written for every model but "
-                        "SDXL), a flag of sd-scripts' fine_tune.py and train_db.py; flux_train.py trains no text "
-                        "encoder, as sd-scripts' does not",
+                        "SDXL), a flag of sd-scripts' fine_tune.py and train_db.py; flux_train.py and anima_train.py "
+                        "train no text encoder, as sd-scripts' do not",
     "train_text_encoder": "the Finetune tab's Train text encoder box, a flag of sd-scripts' fine_tune.py and "
-                          "sdxl_train.py; flux_train.py trains no text encoder, as sd-scripts' does not",
+                          "sdxl_train.py; flux_train.py and anima_train.py train no text encoder, as sd-scripts' do "
+                          "not",
+    "show_timesteps_resolution": "the GUI's Show timesteps resolution box, read only with show_timesteps",
+    **dict.fromkeys(
+        ("compile_backend", "compile_mode", "compile_dynamic", "compile_fullgraph", "compile_cache_size_limit"),
+        "an option of the GUI's Per-block Torch Compile, read only with compile"),
 }
 
 # What a GUI field that the GUI writes whatever the settings means when its tracker is off (``lora_gui.py`` writes
@@ -36,6 +41,13 @@ GUI_TRACKER_KEYS: dict[str, str] = {
 GUI_REFUSED_WHEN_SET: dict[str, str] = {
     "train_inpainting": "inpainting training (a 9-channel U-Net on random masks, in sd-scripts after 48d368fa) is not "
                         "supported here; untick \"Train inpainting model\" in the GUI, or remove the key",
+    "compile": "per-block torch.compile of the DiT (sd-scripts after 48d368fa) is not provided here; untick "
+               "\"Per-block Torch Compile\" in the GUI (or remove the key), or tick \"Legacy Torch Compile\" "
+               "(torch_compile, which compiles the whole model here) instead",
+    "qwen_image_vae_2d": "the 2D Qwen-Image VAE (sd-scripts after 48d368fa) is not provided here; untick \"Qwen-Image "
+                         "VAE 2D\" in the GUI, or remove the key (vae_chunk_size saves the VAE's memory here)",
+    "show_timesteps": "showing the sampled timesteps and exiting without training (sd-scripts after 48d368fa) is not "
+                      "provided here; empty \"Show timesteps\" in the GUI, or remove the key",
 }
 
 # Keys the GUI writes for the scripts of upstream's that this trainer does not have (the scripts of ours name their
@@ -47,11 +59,8 @@ OTHER_FAMILY_KEYS: dict[str, tuple[str, ...]] = {
         "enable_scaled_pos_embed", "logit_mean", "logit_std", "mode_scale", "pos_emb_random_crop_rate", "save_clip",
         "save_t5xxl", "t5_dropout_rate", "t5xxl", "t5xxl_device", "t5xxl_dtype", "t5xxl_max_token_length",
         "text_encoder_batch_size", "weighting_scheme"),
-    "DiT models (HunyuanImage, Lumina, Anima)": (
-        "attn_mode", "blocks_to_swap", "byt5", "compile", "compile_backend", "compile_cache_size_limit",
-        "compile_dynamic", "compile_fullgraph", "compile_mode", "fp8_scaled", "fp8_vl", "gemma2",
-        "gemma2_max_token_length", "llm_adapter_path", "qwen3", "qwen3_max_token_length", "qwen_image_vae_2d",
-        "show_timesteps", "show_timesteps_resolution", "sigmoid_scale", "split_attn", "system_prompt",
-        "t5_max_token_length", "t5_tokenizer_path", "text_encoder", "text_encoder_cpu",
-        "unsloth_offload_checkpointing", "use_flash_attn", "use_sage_attn", "vae_chunk_size", "vae_disable_cache"),
+    "DiT models (HunyuanImage, Lumina)": (
+        "attn_mode", "blocks_to_swap", "byt5", "fp8_scaled", "fp8_vl", "gemma2", "gemma2_max_token_length",
+        "sigmoid_scale", "split_attn", "system_prompt", "text_encoder", "text_encoder_cpu", "use_flash_attn",
+        "use_sage_attn", "vae_chunk_size"),
 }

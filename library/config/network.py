@@ -24,13 +24,18 @@ class NetworkConfig:
     scale_weight_norms: float | None = flag(None, "max-norm regularization of each LoRA module's weight")
 
 
-# sd-scripts network modules for SD 1.x/2.x that this trainer does not provide, and what to use instead.
+# sd-scripts network modules that this trainer does not provide (networks.loha / networks.lokr: newer than 48d368fa,
+# the kohya_ss GUI's LoRA types "Kohya LoHa" / "Kohya LoKr"), and what to use instead.
 MODULES_NOT_PROVIDED = {
     "networks.dylora": "sd-scripts' DyLoRA is not provided here; use --network_module lycoris.kohya with "
                        "--network_args algo=dylora block_size=<unit> (LyCORIS DyLoRA; the kohya_ss GUI's LoRA type "
                        "\"LyCORIS/DyLoRA\"), or networks.lora for a plain LoRA",
     "networks.oft": "sd-scripts' OFT is not provided here; use --network_module lycoris.kohya with --network_args "
                     "algo=diag-oft (LyCORIS Diag-OFT), or networks.lora for a plain LoRA",
+    **{f"networks.{algo}": f"sd-scripts' own {name} is not provided here; use --network_module lycoris.kohya with "
+                           f"--network_args algo={algo} (LyCORIS {name}), or the script's plain LoRA module "
+                           "(networks.lora_anima for anima_train_network.py, networks.lora for SD 1.x/2.x and SDXL)"
+       for algo, name in (("loha", "LoHa"), ("lokr", "LoKr"))},
 }
 
 
