@@ -11,7 +11,9 @@ the block is stepped and is released after it (``UntypedStorage.resize_``, as FS
 between steps the wrapper keeps nothing per parameter beyond the wrapped optimizer's state. A block costs a constant
 number of ops whatever its length: one ``_foreach_copy_`` widens the parameters that have a gradient, one their
 gradients, the wrapped optimizer steps, one stochastic rounding pass over the block and one ``_foreach_copy_`` writes
-back. Parameters without a gradient this step are left alone. A torch optimizer left at ``foreach=None`` is stepped
+back (a bf16 tensor alone in its block, as large ones are, is rounded straight into its parameter: one pass; per-tensor
+values reach the elements per chunk of the block's padded layout, ``optimizers.blocks``). Parameters without a
+gradient this step are left alone. A torch optimizer left at ``foreach=None`` is stepped
 with ``foreach=True`` (torch picks it on CUDA only; on the CPU its default is a per-tensor loop).
 
 ``tensorwise`` (the registry's ``fused_backward``: optimizers whose update of a tensor depends on that tensor alone,
@@ -51,6 +53,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from optimizers.base import AUTO_NUMEL, compiled_kernel, run_closure
+from optimizers.blocks import ShadowBlock, round_block_, round_into_
 from optimizers.layout import cut_runs, to_device
 from optimizers.rounding import bits_seed, element_bits, round_bits, tensor_seed
 from optimizers.spec import OptimizerConfigError
@@ -82,41 +85,6 @@ def prefer_foreach(optimizer: Optimizer) -> bool:
             group["foreach"] = True
             changed = True
     return changed
-
-
-class _Block:
-    """Consecutive tensors of one group, device and dtype, stepped together: their shadows view the block's fp32
-    value and gradient buffers, whose storage exists only while the block is stepped."""
-
-    def __init__(self, params: list[Tensor], shadows: list[Tensor], group: int, device: torch.device | None) -> None:
-        self.params = params
-        self.group = group  # the index of the group that holds the block
-        self.sizes = [param.numel() for param in params]
-        self.starts = [sum(self.sizes[:index]) for index in range(len(params))]
-        device = device or params[0].device
-        self.values = torch.empty(sum(self.sizes), dtype=torch.float32, device=device)
-        self.grads = torch.empty_like(self.values)
-        self.views = [view.view_as(p) for view, p in zip(self.values.split(self.sizes), params, strict=True)]
-        self.grad_views = [view.view_as(p) for view, p in zip(self.grads.split(self.sizes), params, strict=True)]
-        self.counts = to_device(self.sizes, torch.int64, device)
-        self.index = {param: position for position, param in enumerate(params)}
-        self.shadows = shadows
-        for shadow, view in zip(shadows, self.views, strict=True):
-            shadow.data = view
-        self._bytes = self.values.untyped_storage().nbytes()
-        self.release()
-
-    def allocate(self) -> None:
-        for buffer in (self.values, self.grads):
-            buffer.untyped_storage().resize_(self._bytes)
-
-    def release(self) -> None:
-        for buffer in (self.values, self.grads):
-            buffer.untyped_storage().resize_(0)
-
-    def spread(self, per_tensor: Tensor) -> Tensor:
-        """One value per tensor of the block, repeated over its elements (no host sync)."""
-        return torch.repeat_interleave(per_tensor, self.counts, output_size=self.values.numel())
 
 
 class StochasticRoundingWrapper(Optimizer):
@@ -181,7 +149,7 @@ class StochasticRoundingWrapper(Optimizer):
         """Cut every bucket into blocks of at most ``max_tensors`` tensors (0: any number) and ``max_numel``
         elements; the shadows (same objects, so the wrapped optimizer's state stays theirs) view the new blocks."""
         self._cut_as = (max_tensors, max_numel)
-        self._blocks = [_Block(run, [self._shadow[param] for param in run], group, self._device)
+        self._blocks = [ShadowBlock(run, [self._shadow[param] for param in run], group, self._device)
                         for group, bucket in self._buckets for run in cut_runs(bucket, max_tensors, max_numel)]
         self._block_of = {param: block for block in self._blocks for param in block.params}
 
@@ -244,29 +212,30 @@ class StochasticRoundingWrapper(Optimizer):
             raise ValueError(f"StochasticRoundingWrapper.{name}: {type(self.inner).__name__} computes its step from "
                              "all tensors together and cannot step a part of them")
 
-    def _step_blocks(self, work: list[tuple[_Block, list[int]]], apply: Tensor | None = None,
+    def _step_blocks(self, work: list[tuple[ShadowBlock, list[int]]], apply: Tensor | None = None,
                      grad_scale: Tensor | None = None) -> None:
         """Widen the ``active`` tensors of each block, step them in one call of the wrapped optimizer, write back,
         release the blocks. ``apply`` and ``grad_scale``: one value per tensor of a single block."""
         for block, active in work:
             self._widen(block, active)
-        before = None
+        saved, owner = None, work[0][0].owner() if apply is not None or grad_scale is not None else None
         if apply is not None:
-            block, active = work[0]
-            before = (block.values.clone(), self._device_state(block, active))
+            saved = self._device_state(work[0][0], work[0][1])
         if grad_scale is not None:
-            work[0][0].grads.mul_(work[0][0].spread(grad_scale))
+            work[0][0].chunked(work[0][0].grads).mul_(work[0][0].spread(grad_scale, owner))
         self._inner_step(work)
         for block, active in work:
-            if before is not None:
-                self._restore_state(block, active, before[1], apply)
-            self._write_back(block, active, apply, None if before is None else before[0])
+            keep = None
+            if apply is not None:
+                self._restore_state(block, active, saved, apply)
+                keep = block.spread(apply, owner)
+            self._write_back(block, active, keep, owner)
             for position in active:
                 self._sr_steps[block.params[position]] += 1
                 block.shadows[position].grad = None
             block.release()
 
-    def _inner_step(self, work: list[tuple[_Block, list[int]]]) -> None:
+    def _inner_step(self, work: list[tuple[ShadowBlock, list[int]]]) -> None:
         """The wrapped optimizer's step. A tensorwise one sees only the tensors being stepped (its loop over its
         parameters then costs what they do, not what the whole model does, once per block)."""
         self._push_hyperparameters()
@@ -286,39 +255,59 @@ class StochasticRoundingWrapper(Optimizer):
                     group["params"] = params
         self._pull_hyperparameters()
 
-    def _widen(self, block: _Block, active: list[int]) -> None:
+    def _widen(self, block: ShadowBlock, active: list[int]) -> None:
         block.allocate()
         torch._foreach_copy_([block.views[i] for i in active], [block.params[i] for i in active])
         torch._foreach_copy_([block.grad_views[i] for i in active], [block.params[i].grad for i in active])
         for i in active:
             block.shadows[i].grad = block.grad_views[i]
 
-    def _write_back(self, block: _Block, active: list[int], apply: Tensor | None, before: Tensor | None) -> None:
-        """Round the block (SR for bf16 when on), keep the old weights where ``apply`` is False, copy back."""
-        if block.params[0].dtype == torch.bfloat16 and self.stochastic_rounding:
-            self._round(block)
-        if apply is not None:
-            block.values.copy_(torch.where(block.spread(apply), block.values, before))
+    def _write_back(self, block: ShadowBlock, active: list[int], keep: Tensor | None, owner: Tensor | None) -> None:
+        """Round the block (SR for bf16 when on), keep the old weights where ``keep`` ([chunks, 1]) is False, copy
+        back. The old weights are the parameters themselves, untouched so far: a bf16 tensor alone in its block
+        (the large ones) is rounded straight into its parameter, which the kernel reads where ``keep`` is False;
+        otherwise they are widened again into the gradient buffer, which the wrapped optimizer no longer needs (no
+        fp32 copy of the block is kept across the step)."""
+        rounding = block.params[0].dtype == torch.bfloat16 and self.stochastic_rounding
+        param = block.params[0]
+        if rounding and len(block.params) == 1 and param.is_contiguous() and param.device == block.values.device:
+            target = param.detach().view(-1)
+            self._kernel(round_into_, target, block.values[:target.numel()], self._seeds(block),
+                         None if keep is None else keep.view(1))
+            return
+        values = block.chunked(block.values)
+        before = None
+        if keep is not None:
+            torch._foreach_copy_([block.grad_views[i] for i in active], [block.params[i] for i in active])
+            before = block.chunked(block.grads)
+        if rounding:
+            owner = block.owner() if owner is None else owner
+            self._kernel(round_block_, values, *block.element_index(owner),
+                         block.spread(self._seeds(block), owner), keep, before)
+        elif keep is not None:
+            values.copy_(torch.where(keep, values, before))
         torch._foreach_copy_([block.params[i] for i in active], [block.views[i] for i in active])
 
-    def _round(self, block: _Block) -> None:
+    def _seeds(self, block: ShadowBlock) -> Tensor:
+        """Each tensor's ``bits_seed`` at the step being taken (int32, on the block's device)."""
         seeds = [bits_seed(tensor_seed(self.seed, self._position[param]), self._sr_steps[param] + 1)
                  for param in block.params]
-        device, total = block.values.device, block.values.numel()
-        table = to_device(seeds + block.starts, torch.int32, device).view(2, -1)
-        local_index = torch.arange(total, dtype=torch.int32, device=device) - block.spread(table[1])
-        seed_of = block.spread(table[0])
+        return to_device(seeds, torch.int32, block.values.device)
+
+    def _kernel(self, kernel: Callable[..., None], *args: Tensor | None) -> None:
+        """``kernel(*args)``, compiled when the bf16 tensors on the device make it pay (``AUTO_NUMEL``)."""
+        device = args[0].device
         if self._bf16_numel[device] >= AUTO_NUMEL and not self.compile_failed:
             try:
-                compiled_kernel(round_shadows_, device)(block.values, local_index, seed_of)
+                compiled_kernel(kernel, device)(*args)
                 return
             except Exception as error:
                 warnings.warn(f"stochastic rounding wrapper: torch.compile failed ({type(error).__name__}: {error}); "
                               "rounding eagerly from now on (same bits, slower)", stacklevel=4)
                 self.compile_failed = True
-        round_shadows_(block.values, local_index, seed_of)
+        kernel(*args)
 
-    def _device_state(self, block: _Block, active: list[int]) -> dict[tuple[int, str], Tensor]:
+    def _device_state(self, block: ShadowBlock, active: list[int]) -> dict[tuple[int, str], Tensor]:
         """Copies of the wrapped optimizer's state tensors of the ``active`` tensors on the device they step on,
         keyed (position, name)."""
         entries = {(i, key): value for i in active for key, value in self.inner.state.get(block.shadows[i], {}).items()
@@ -328,7 +317,7 @@ class StochasticRoundingWrapper(Optimizer):
         flat = torch.cat([value.reshape(-1) for value in entries.values()])
         return dict(zip(entries, flat.split([value.numel() for value in entries.values()]), strict=True))
 
-    def _restore_state(self, block: _Block, active: list[int], saved: dict[tuple[int, str], Tensor],
+    def _restore_state(self, block: ShadowBlock, active: list[int], saved: dict[tuple[int, str], Tensor],
                        apply: Tensor) -> None:
         """Put back the saved state values of the tensors whose ``apply`` is False (one ``where`` for them all)."""
         keys = [key for key in saved if key[1] in self.inner.state.get(block.shadows[key[0]], {})]
