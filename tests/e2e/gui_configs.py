@@ -26,3 +26,27 @@ def fill_gui_config(toml: Path, where: Path, images: Path, model: str, prompt: s
     file = where / "config_lora.toml"
     file.write_text(text, encoding="utf-8")
     return file
+
+
+def fill_model_files_config(toml: Path, where: Path, images: Path, files: dict[str, Path], metadata: bool) -> Path:
+    """``fill_gui_config`` for a model given as several files (``files``: each file by the placeholder it fills,
+    ``@PRETRAINED_MODEL@`` among them); with ``metadata`` (a Finetune tab file) a flat image folder as
+    ``@TRAIN_DATA_DIR@`` and its caption metadata in ``@TRAIN_DIR@``, made with the GUI's arguments to
+    merge_captions_to_metadata.py."""
+    import tomllib
+
+    from finetune import merge_captions_to_metadata
+
+    placeholders = dict(files)
+    if metadata:
+        placeholders |= {"@TRAIN_DATA_DIR@": where / "data" / "10_shapes", "@TRAIN_DIR@": where / "train"}
+    file = fill_gui_config(toml, where, images, str(files["@PRETRAINED_MODEL@"]), placeholders=placeholders)
+    if metadata:
+        (where / "train").mkdir()
+        extension = tomllib.loads(toml.read_text(encoding="utf-8"))["caption_extension"]
+        code = merge_captions_to_metadata.main(["--caption_extension", extension,
+                                                str(placeholders["@TRAIN_DATA_DIR@"]),
+                                                str(where / "train" / "meta_cap.json"), "--full_path"])
+        if code != 0:
+            raise RuntimeError(f"merge_captions_to_metadata.py exited {code}")
+    return file

@@ -32,11 +32,10 @@ import torch
 from safetensors import safe_open
 
 import train_network
-from finetune import merge_captions_to_metadata
 from library.config import validate
 from library.families.anima.tiny_files import ANIMA_FILES, write_tiny_anima
 from tests.config_helpers import parse_args
-from tests.e2e.gui_configs import fill_gui_config
+from tests.e2e.gui_configs import fill_model_files_config
 
 GUI_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "kohya_gui" / "anima"
 SPEED_OVERRIDES = ["--max_train_steps", "2", "--resolution", "64", "--min_bucket_reso", "64",
@@ -69,20 +68,8 @@ def gui_values(name: str) -> dict:
 
 
 def materialise(name: str, where: Path, images: Path, files: dict[str, Path]) -> Path:
-    """The GUI file with every placeholder filled in, in a fresh folder; for the Finetune file a flat image folder
-    and its caption metadata in ``@TRAIN_DIR@``, made with the GUI's arguments to merge_captions_to_metadata.py."""
-    placeholders = dict(files)
-    if name == FINETUNE:
-        placeholders |= {"@TRAIN_DATA_DIR@": where / "data" / "10_shapes", "@TRAIN_DIR@": where / "train"}
-    file = fill_gui_config(GUI_DIR / f"{name}.toml", where, images, str(files["@PRETRAINED_MODEL@"]),
-                           placeholders=placeholders)
-    if name == FINETUNE:
-        (where / "train").mkdir()
-        rc = merge_captions_to_metadata.main(["--caption_extension", gui_values(name)["caption_extension"],
-                                              str(placeholders["@TRAIN_DATA_DIR@"]),
-                                              str(where / "train" / "meta_cap.json"), "--full_path"])
-        assert rc == 0
-    return file
+    """The GUI file with every placeholder filled in, in a fresh folder (``gui_configs.fill_model_files_config``)."""
+    return fill_model_files_config(GUI_DIR / f"{name}.toml", where, images, files, metadata=name == FINETUNE)
 
 
 def train(name: str, where: Path, images: Path, files: dict[str, Path], capsys, *extra: str) -> tuple[int, str]:
