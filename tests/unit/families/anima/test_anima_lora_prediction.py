@@ -14,8 +14,10 @@ for bit, and the fp32 ones with the LoRA within 4e-7 of their largest value: ups
 cross-attention k/v projections a non-contiguous view of the text states where ours hands a contiguous tensor, and
 the rank-4 LoRA matmul rounds by layout (the projections' outputs differ by 1 or 2 ulps, which the following blocks
 carry on). Against the stored data the tests allow fp32 rounding (relative 1e-5 of the largest value) and, for the
-bf16 predictions, a quarter of a bf16 step at the largest value (``BF16_RTOL``), since another CPU's bf16 kernels
-may round otherwise; the bf16 prediction is 1% of its largest value away from the fp32 one, far outside that.
+bf16 predictions, two bf16 steps at the largest value (``BF16_RTOL``): another CPU's bf16 kernels round otherwise
+(with AVX2 only, emulated: 0.0087 of the largest value, as far as an fp32 forward or a LoRA weight moved by 0.5 is on
+that CPU), so the fp32 cases are the ones that tell a LoRA applied otherwise apart; the bf16 cases pin the mixed
+path (a bf16 result, the LoRA applied in it: the prediction without it is 10% away).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ FACTS = json.loads((DATA / "upstream_anima_lora_prediction.json").read_text())
 REF = load_file(str(DATA / "upstream_anima_lora_prediction.safetensors"))
 DIT = load_file(str(DATA / "upstream_anima_parity.safetensors"))
 CASES = json.loads((DATA / "upstream_anima_parity.json").read_text())["predictions"]
-BF16_RTOL = 2.0**-10
+BF16_RTOL = 2.0**-6
 
 
 def lora_weights() -> dict[str, torch.Tensor]:
@@ -105,8 +107,8 @@ def test_mixed_bf16_prediction_equals_upstream(name: str) -> None:
 
 
 def test_the_reference_can_tell_a_wrong_lora_apart(lora) -> None:
-    """The LoRA moves the prediction far; one LoRA weight moved by 0.05, or an fp32 forward in place of the mixed
-    one, are outside the tolerances."""
+    """The LoRA moves the prediction far; one LoRA weight moved by 0.05 is outside the fp32 tolerance, the mixed
+    prediction without the LoRA outside the bf16 one."""
     dit, _ = lora
     image = REF["fp32.image"]
     assert max_relative(image, REF["base.image"]) > 0.1
@@ -115,4 +117,6 @@ def test_the_reference_can_tell_a_wrong_lora_apart(lora) -> None:
     weights[key] = weights[key].clone()
     weights[key][0, 0] += 0.05
     assert not close(predict(build(weights)[0], "image"), image, FP32_RTOL)
-    assert not close(predict(dit, "image").to(torch.bfloat16), REF["bf16.image"], BF16_RTOL)
+    bf16_dit, network = build()  # mixed_bf16 casts the DiT: not the shared one
+    network.set_multiplier(0.0)
+    assert not close(mixed_bf16(bf16_dit, "image"), REF["bf16.image"], BF16_RTOL, same_dtype=True)
