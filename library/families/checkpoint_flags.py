@@ -118,3 +118,20 @@ class TrainedPart:
     frozen: tuple[Any, ...] = ()
     groups: tuple[ParamGroup, ...] = ()
     updates: int | None = None
+
+
+def swap_problems(swapped: int, fused: bool, accumulation: int,
+                  fused_flags: str = "--fused_backward_pass") -> list[str]:
+    """What a full fine-tuning script refuses about ``--blocks_to_swap swapped`` (``flux_train.py``,
+    ``anima_train.py``): a swapped block's own weights are stepped inside backward while it is on the device, so a
+    fused mode is needed (``fused``: one is on; ``fused_flags``: how to turn one on), and the window's gradient sums
+    of swapped blocks do not move with them, so accumulation must be 1."""
+    problems = []
+    if swapped > 0 and not fused:
+        problems.append(f"--blocks_to_swap {swapped}: a swapped block's weights are stepped inside backward while "
+                        f"the block is on the device; add {fused_flags}")
+    if swapped > 0 and accumulation > 1:
+        problems.append(f"--blocks_to_swap {swapped} with --gradient_accumulation_steps {accumulation}: the "
+                        "window's gradient sums of swapped blocks are not moved with them yet; use "
+                        "--gradient_accumulation_steps 1 (a larger --train_batch_size), or drop --blocks_to_swap")
+    return problems

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from library.config.fields import flag
 from library.families.anima.config import COMPONENT_LRS, AnimaConfig, anima_script_problems
-from library.families.checkpoint_flags import CheckpointFormat, CheckpointSaving
+from library.families.checkpoint_flags import CheckpointFormat, CheckpointSaving, swap_problems
 
 if TYPE_CHECKING:
     from library.config.sections import TrainConfig
@@ -63,13 +63,6 @@ def anima_fine_tune_problems(cfg: TrainConfig) -> list[str]:
         problems.append(f"--save_model_as {section.save_model_as}: anima_train.py writes one .safetensors file "
                         "with the DiT's 'net.' keys (sd-scripts' anima_train.py ignores the flag and writes the "
                         "same); drop the flag or give safetensors")
-    swapped = section.blocks_to_swap or 0
-    if swapped > 0 and not cfg.optimizer.fused_backward_pass:
-        problems.append(f"--blocks_to_swap {swapped}: a swapped block's weights are stepped inside backward while "
-                        "the block is on the device; add --fused_backward_pass")
-    if swapped > 0 and cfg.schedule.gradient_accumulation_steps > 1:
-        problems.append(f"--blocks_to_swap {swapped} with --gradient_accumulation_steps "
-                        f"{cfg.schedule.gradient_accumulation_steps}: the window's gradient sums of swapped blocks "
-                        "are not moved with them yet; use --gradient_accumulation_steps 1 (a larger "
-                        "--train_batch_size), or drop --blocks_to_swap")
+    problems += swap_problems(section.blocks_to_swap or 0, cfg.optimizer.fused_backward_pass,
+                              cfg.schedule.gradient_accumulation_steps)
     return problems

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from library.config.fields import flag
 from library.config.optimizer import BlockwiseFusedOptimizers, FusedOptimizerGroups
-from library.families.checkpoint_flags import CheckpointFormat, CheckpointSaving
+from library.families.checkpoint_flags import CheckpointFormat, CheckpointSaving, swap_problems
 from library.families.flux.config import FluxConfig, flux_script_problems
 
 if TYPE_CHECKING:
@@ -89,13 +89,6 @@ def flux_fine_tune_problems(cfg: TrainConfig) -> list[str]:
         problems.append(f"--save_model_as {section.save_model_as}: flux_train.py writes one .safetensors file in "
                         "BFL's layout (sd-scripts' flux_train.py ignores the flag and writes the same); drop the "
                         "flag or give safetensors")
-    if section.swapped_blocks > 0 and not chosen:
-        problems.append(f"--blocks_to_swap {section.swapped_blocks}: a swapped block's weights are stepped inside "
-                        "backward while the block is on the device; add --fused_backward_pass (or "
-                        "--fused_optimizer_groups N / --blockwise_fused_optimizers)")
-    if section.swapped_blocks > 0 and cfg.schedule.gradient_accumulation_steps > 1:
-        problems.append(f"--blocks_to_swap {section.swapped_blocks} with --gradient_accumulation_steps "
-                        f"{cfg.schedule.gradient_accumulation_steps}: the window's gradient sums of swapped blocks "
-                        "are not moved with them yet; use --gradient_accumulation_steps 1 (a larger "
-                        "--train_batch_size), or drop --blocks_to_swap")
+    problems += swap_problems(section.swapped_blocks, bool(chosen), cfg.schedule.gradient_accumulation_steps,
+                              "--fused_backward_pass (or --fused_optimizer_groups N / --blockwise_fused_optimizers)")
     return problems
