@@ -48,6 +48,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Imported before any process group exists (here, or in a launcher that makes its own group after importing the
+# trainer): torch.distributed.nn's functions take the default group as their ``group`` default when imported.
+# Imported while a group is open (diffusers imports torch._dynamo, which imports it), they keep the group alive past
+# destroy_process_group, and its gloo threads run into the interpreter's exit, where they can abort a process that
+# trained and saved ("terminate called without an active exception", SIGABRT): torchrun then reports a failure.
+import torch.distributed.nn  # noqa: F401
 from torch.utils.data import Sampler
 
 from library.base.errors import Stopped, TrainingDiverged, UserError, WriteFailed

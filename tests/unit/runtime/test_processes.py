@@ -4,6 +4,7 @@ decisions and failure handling in 2 processes (torchrun, gloo; ``process_checks.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,6 +163,21 @@ def test_saves_run_on_the_main_process_with_every_process_random_state(ranks):
 def test_ddp_flags_say_what_they_do_here(ranks):
     lines = ranks[0]["options"]
     assert len(lines) == 1 and lines[0].startswith("--ddp_static_graph: no effect here")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists the threads of a process as Linux does")
+def test_the_group_a_run_started_is_gone_with_its_threads_when_the_run_ends(tmp_path):
+    """A group that outlived its run kept gloo's threads running into the interpreter's exit, where they could abort
+    a process that trained and saved (SIGABRT, "terminate called without an active exception")."""
+    done = launching.launch([torchrun(str(ROOT / "tests" / "unit" / "runtime" / "group_release_check.py"),
+                                      str(tmp_path))], launch_env(), ["group_release_check.py"],
+                            "the launch of tests/unit/runtime/group_release_check.py")
+    problem = done.problem(tail=3000)
+    assert problem is None, problem
+    for rank in range(2):
+        threads = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert threads["while_open"], "no gloo thread seen while the group was open: nothing was checked"
+        assert threads["after"] == [], rank
 
 
 def test_an_interrupted_single_process_says_what_the_run_saved(tmp_path):
