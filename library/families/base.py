@@ -61,9 +61,17 @@ class ModelFamily(ABC):
         ``section`` is the family's own flag section (``TrainConfig.family_config``; None for a family without
         one)."""
 
+    def _swapped_blocks(self, section: Any) -> int:
+        """How many of the denoiser's blocks ``--blocks_to_swap`` keeps on the host (none here)."""
+        return 0
+
     def denoiser_device(self, section: Any, device: torch.device) -> torch.device:
-        """Where the loaded denoiser goes: the training device, unless the family places it itself."""
-        return device
+        """Where the loaded denoiser goes: the training device, or the host when blocks are swapped
+        (``place_denoiser`` then places all but the swapped blocks' weights on the device, so that the whole
+        denoiser is never there at once)."""
+        import torch
+
+        return torch.device("cpu") if self._swapped_blocks(section) > 0 else device
 
     def place_denoiser(self, model: Any, section: Any, device: torch.device) -> None:
         """After fp8 storage: place what ``denoiser_device`` kept back (nothing here)."""

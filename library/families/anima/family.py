@@ -59,15 +59,12 @@ class AnimaFamily(ModelFamily):
 
         return load_anima_model(cfg.pretrained_model_name_or_path, cfg.vae, section, dtype, file_device)
 
-    def denoiser_device(self, section: Any, device: torch.device) -> torch.device:
-        """Where the loaded DiT goes: the training device, or the host with ``--blocks_to_swap`` (``place_denoiser``
-        then places all but the swapped blocks' weights on the device), so that the whole DiT is never there."""
-        swapping = section is not None and (section.blocks_to_swap or 0) > 0
-        return torch.device("cpu") if swapping else device
+    def _swapped_blocks(self, section: Any) -> int:
+        return (section.blocks_to_swap or 0) if section is not None else 0
 
     def place_denoiser(self, model: Any, section: Any, device: torch.device) -> None:
         """``--blocks_to_swap N``: ``swap.py`` (the last N blocks' weights visit ``device`` around their use)."""
-        if section is not None and (section.blocks_to_swap or 0) > 0:
+        if self._swapped_blocks(section) > 0:
             from library.families.anima.swap import enable_block_swap
 
             enable_block_swap(model.unet, section.blocks_to_swap, device)

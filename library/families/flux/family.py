@@ -86,16 +86,13 @@ class FluxFamily(ModelFamily):
         model.t5_file_fp8 = t5_weight_dtype(model.t5xxl) == FP8
         return model
 
-    def denoiser_device(self, section: Any, device: torch.device) -> torch.device:
-        """Where the loaded transformer goes: the training device, or the host with ``--blocks_to_swap`` (the
-        swap places all but the swapped blocks' weights on the device, ``place_denoiser``), so that the whole
-        transformer is never on the device at once."""
-        swapping = section is not None and section.swapped_blocks > 0
-        return torch.device("cpu") if swapping else device
+    def _swapped_blocks(self, section: Any) -> int:
+        """``--blocks_to_swap N``, or ``--split_mode``'s 18."""
+        return section.swapped_blocks if section is not None else 0
 
     def place_denoiser(self, model: Any, section: Any, device: torch.device) -> None:
         """``--blocks_to_swap N`` (and ``--split_mode``'s 18): ``swap.py``, after fp8 storage."""
-        if section is not None and section.swapped_blocks > 0:
+        if self._swapped_blocks(section) > 0:
             from library.families.flux.swap import enable_block_swap, swap_split
 
             enable_block_swap(model.unet, section.swapped_blocks, device)
