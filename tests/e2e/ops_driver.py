@@ -40,6 +40,8 @@ def reports(output: str, families: tuple[str, ...], processes: int) -> dict[str,
 def main() -> None:
     import torch.distributed as dist
 
+    import library.runtime.processes  # noqa: F401  (before the group exists: its torch.distributed.nn import)
+
     dist.init_process_group("gloo")
     out, updates, families = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     for family in families:
