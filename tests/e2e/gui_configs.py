@@ -4,7 +4,12 @@ and Finetune tabs)."""
 from __future__ import annotations
 
 import shutil
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+import train_network
 
 
 def fill_gui_config(toml: Path, where: Path, images: Path, model: str, prompt: str = "",
@@ -33,8 +38,6 @@ def fill_model_files_config(toml: Path, where: Path, images: Path, files: dict[s
     ``@PRETRAINED_MODEL@`` among them); with ``metadata`` (a Finetune tab file) a flat image folder as
     ``@TRAIN_DATA_DIR@`` and its caption metadata in ``@TRAIN_DIR@``, made with the GUI's arguments to
     merge_captions_to_metadata.py."""
-    import tomllib
-
     from finetune import merge_captions_to_metadata
 
     placeholders = dict(files)
@@ -50,3 +53,35 @@ def fill_model_files_config(toml: Path, where: Path, images: Path, files: dict[s
         if code != 0:
             raise RuntimeError(f"merge_captions_to_metadata.py exited {code}")
     return file
+
+
+@dataclass(frozen=True)
+class ModelFilesGui:
+    """The GUI TOMLs of a family whose model is given as files (FLUX.1, Anima), each read, filled in and run as the
+    GUI runs it: with the script the GUI starts for it (``scripts``, by the file's name under ``folder``), through
+    ``train_network.main``, with the command-line overrides of the GUI tests (``overrides``). ``finetune``: the
+    Finetune tab's file, whose caption metadata is made first."""
+
+    folder: Path
+    family: str
+    scripts: Mapping[str, str]
+    finetune: str
+    overrides: Sequence[str]
+
+    def values(self, name: str) -> dict:
+        return tomllib.loads((self.folder / f"{name}.toml").read_text(encoding="utf-8"))
+
+    def materialise(self, name: str, where: Path, images: Path, files: dict[str, Path]) -> Path:
+        """The file with every placeholder filled in, in a fresh folder (``fill_model_files_config``)."""
+        return fill_model_files_config(self.folder / f"{name}.toml", where, images, files,
+                                       metadata=name == self.finetune)
+
+    def train(self, name: str, where: Path, images: Path, files: dict[str, Path], capsys, *extra: str
+              ) -> tuple[int, str]:
+        """One run of the file: exit code, and what it printed (stderr, then stdout)."""
+        file = self.materialise(name, where, images, files)
+        capsys.readouterr()
+        rc = train_network.main(["--config_file", str(file), *self.overrides, *extra], family=self.family,
+                                script=self.scripts[name])
+        captured = capsys.readouterr()
+        return rc, captured.err + captured.out

@@ -24,7 +24,6 @@ warning (sd-scripts' anima_train_network.py would pick its xformers attention fr
 from __future__ import annotations
 
 import logging
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,7 @@ import train_network
 from library.config import validate
 from library.families.anima.tiny_files import ANIMA_FILES, write_tiny_anima
 from tests.config_helpers import parse_args
-from tests.e2e.gui_configs import fill_model_files_config
+from tests.e2e.gui_configs import ModelFilesGui
 
 GUI_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "kohya_gui" / "anima"
 SPEED_OVERRIDES = ["--max_train_steps", "2", "--resolution", "64", "--min_bucket_reso", "64",
@@ -49,6 +48,7 @@ GUI_ONLY = {LORA: {"epoch", "noise_offset_type", "wandb_run_name"},
 # The Anima section's fields, by the key the GUI writes them as
 SECTION_KEYS = ("qwen3_max_token_length", "t5_max_token_length", "discrete_flow_shift", "timestep_sampling",
                 "sigmoid_scale")
+GUI = ModelFilesGui(GUI_DIR, "anima", CONFIGS, FINETUNE, SPEED_OVERRIDES)
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # tiny-anima: 2 blocks x 10 Linear layers in the DiT, 2 Qwen3 layers x 7
 DIT_MODULES, QWEN3_MODULES = 20, 14
@@ -63,32 +63,13 @@ def anima_files(tmp_path_factory) -> dict[str, Path]:
     return {"@PRETRAINED_MODEL@": dit, "@QWEN3@": qwen3, "@VAE@": vae}
 
 
-def gui_values(name: str) -> dict:
-    return tomllib.loads((GUI_DIR / f"{name}.toml").read_text(encoding="utf-8"))
-
-
-def materialise(name: str, where: Path, images: Path, files: dict[str, Path]) -> Path:
-    """The GUI file with every placeholder filled in, in a fresh folder (``gui_configs.fill_model_files_config``)."""
-    return fill_model_files_config(GUI_DIR / f"{name}.toml", where, images, files, metadata=name == FINETUNE)
-
-
-def train(name: str, where: Path, images: Path, files: dict[str, Path], capsys, *extra: str) -> tuple[int, str]:
-    """One run of the GUI file as the GUI runs it: exit code, and what it printed (stderr, then stdout)."""
-    file = materialise(name, where, images, files)
-    capsys.readouterr()
-    rc = train_network.main(["--config_file", str(file), *SPEED_OVERRIDES, *extra], family="anima",
-                            script=CONFIGS[name])
-    captured = capsys.readouterr()
-    return rc, captured.err + captured.out
-
-
 def test_every_anima_file_is_here_with_its_header():
     assert {p.stem for p in GUI_DIR.glob("*.toml")} == set(CONFIGS)
     for name, script in CONFIGS.items():
         tab = "Finetune" if name == FINETUNE else "LoRA"
         text = (GUI_DIR / f"{name}.toml").read_text(encoding="utf-8")
         assert text.startswith(f"# kohya_ss GUI (bmaltais/kohya_ss 45088f04), {tab} tab, Anima, {script}: ")
-        values = gui_values(name)
+        values = GUI.values(name)
         assert (values["pretrained_model_name_or_path"], values["qwen3"], values["vae"]) == \
             ("@PRETRAINED_MODEL@", "@QWEN3@", "@VAE@")
         assert not {"clip_skip", "max_token_length", "v2"} & set(values)  # the GUI leaves SD's out for Anima
@@ -96,7 +77,7 @@ def test_every_anima_file_is_here_with_its_header():
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_parses_and_validates(name, tmp_path, images, anima_files, caplog):
-    file = materialise(name, tmp_path / "cfg", images, anima_files)
+    file = GUI.materialise(name, tmp_path / "cfg", images, anima_files)
     with caplog.at_level(logging.INFO, logger="library.config.cli"):
         cfg, _ = parse_args(["--config_file", str(file)], script=CONFIGS[name])
     validate(cfg)
@@ -104,7 +85,7 @@ def test_parses_and_validates(name, tmp_path, images, anima_files, caplog):
     assert len(gui_lines) == 1
     named = gui_lines[0].split(": kohya_ss GUI field")[0].rsplit(": ", 1)[1]
     assert set(named.split(", ")) == GUI_ONLY[name]
-    values, section = gui_values(name), cfg.family_config
+    values, section = GUI.values(name), cfg.family_config
     for key in SECTION_KEYS:
         assert getattr(section, key) == values[key]
     assert (section.qwen3, cfg.model.vae) == (str(anima_files["@QWEN3@"]), str(anima_files["@VAE@"]))
@@ -127,9 +108,9 @@ def test_a_lora_file_trains_two_steps_into_a_lora_anima_file(name, tmp_path, ima
     """2 steps, then ``output_name``.safetensors: upstream's ``networks.lora_anima`` modules of the DiT, and of Qwen3
     unless the file trains the DiT only (text_encoder_lr 0: ``network_train_unet_only``), in ``save_precision``,
     finite, with Anima's metadata; cached text-encoder outputs in upstream's ``_anima_te.npz`` files."""
-    rc, printed = train(name, tmp_path / "run", images, anima_files, capsys)
+    rc, printed = GUI.train(name, tmp_path / "run", images, anima_files, capsys)
     assert rc == 0, printed[-2000:]
-    values = gui_values(name)
+    values = GUI.values(name)
     with safe_open(str(tmp_path / "run" / "out" / f"{values['output_name']}.safetensors"), "pt") as f:
         meta = f.metadata()
         state = {k: f.get_tensor(k) for k in f.keys()}
@@ -154,9 +135,9 @@ def test_a_lora_file_trains_two_steps_into_a_lora_anima_file(name, tmp_path, ima
 def test_the_finetune_file_trains_two_steps_into_one_dit_checkpoint(tmp_path, images, anima_files, capsys):
     """2 steps, then ``output_name``.safetensors: the tiny DiT's own ``net.`` keys and shapes (no text encoder, no
     VAE), in ``save_precision``, finite, with Anima's ModelSpec architecture."""
-    rc, printed = train(FINETUNE, tmp_path / "run", images, anima_files, capsys)
+    rc, printed = GUI.train(FINETUNE, tmp_path / "run", images, anima_files, capsys)
     assert rc == 0, printed[-2000:]
-    values = gui_values(FINETUNE)
+    values = GUI.values(FINETUNE)
     assert values["save_model_as"] == "safetensors"
     with safe_open(str(anima_files["@PRETRAINED_MODEL@"]), "pt") as f:
         shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
@@ -189,7 +170,7 @@ def test_an_anima_box_this_trainer_lacks_stops_with_exit_2_naming_the_fix(name, 
                                                                           anima_files, capsys):
     """The Anima section's boxes for what this trainer does not provide, as the GUI writes them when set: exit code
     2 before any model loads, the one problem named with its fix, no output."""
-    file = materialise(name, tmp_path / "x", images, anima_files)
+    file = GUI.materialise(name, tmp_path / "x", images, anima_files)
     file.write_text(file.read_text(encoding="utf-8") + lines, encoding="utf-8")
     capsys.readouterr()
     rc = train_network.main(["--config_file", str(file), *SPEED_OVERRIDES], family="anima", script=CONFIGS[name])
@@ -205,7 +186,7 @@ def test_the_kohya_loha_and_lokr_types_are_refused_naming_lycoris(algo, tmp_path
     there): the GUI writes ``network_module = "networks.loha"`` / ``"networks.lokr"`` (sd-scripts' own modules, newer
     than 48d368fa) and ``network_args = [ "conv_dim=1", "conv_alpha=1",]``; refused before anything loads, naming
     LyCORIS's algorithm (which trains on Anima here) and the plain LoRA module."""
-    file = materialise(LORA, tmp_path / "x", images, anima_files)
+    file = GUI.materialise(LORA, tmp_path / "x", images, anima_files)
     text = file.read_text(encoding="utf-8").replace('"networks.lora_anima"', f'"networks.{algo}"')
     file.write_text(text.replace("network_args = []", 'network_args = [ "conv_dim=1", "conv_alpha=1",]'),
                     encoding="utf-8")
@@ -222,8 +203,8 @@ def test_the_kohya_loha_and_lokr_types_are_refused_naming_lycoris(algo, tmp_path
 def test_the_legacy_torch_compile_box_is_read_as_torch_compile(tmp_path, images, anima_files):
     """"Legacy Torch Compile" (``torch_compile = true``) is the shared ``--torch_compile``; with the GUI's
     ``dynamo_backend = "no"`` it compiles nothing, as in sd-scripts."""
-    file = materialise(LORA, tmp_path / "x", images, anima_files)
+    file = GUI.materialise(LORA, tmp_path / "x", images, anima_files)
     file.write_text(file.read_text(encoding="utf-8") + "torch_compile = true\n", encoding="utf-8")
     cfg, _ = parse_args(["--config_file", str(file)], script=CONFIGS[LORA])
     validate(cfg)
-    assert cfg.precision.torch_compile and cfg.precision.dynamo_backend == gui_values(LORA)["dynamo_backend"]
+    assert cfg.precision.torch_compile and cfg.precision.dynamo_backend == GUI.values(LORA)["dynamo_backend"]

@@ -22,18 +22,16 @@ backward (the GUI's "Fused backward pass"). Swapping trained blocks: ``test_flux
 from __future__ import annotations
 
 import logging
-import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-import train_network
 from library.config import validate
 from library.families.flux.tiny_files import FLUX_FILES, write_tiny_flux
 from tests.config_helpers import parse_args
-from tests.e2e.gui_configs import fill_model_files_config
+from tests.e2e.gui_configs import ModelFilesGui
 
 ROOT = Path(__file__).resolve().parents[2]
 GUI_DIR = ROOT / "tests" / "data" / "kohya_gui"
@@ -48,6 +46,7 @@ NO_SWAP = ("--blocks_to_swap", "0")  # the memory-saving file without its blocks
 GUI_ONLY = {DEFAULT: {"epoch", "noise_offset_type", "wandb_run_name", "learning_rate_te"},
             MEMORY_SAVING: {"epoch", "noise_offset_type", "wandb_run_name", "learning_rate_te"},
             FINETUNE: {"noise_offset_type", "wandb_run_name", "learning_rate_te", "train_text_encoder"}}
+GUI = ModelFilesGui(GUI_DIR, "flux", dict.fromkeys(CONFIGS, SCRIPT), FINETUNE, SPEED_OVERRIDES)
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Until the config layer accepts learning_rate_te / train_text_encoder for flux_train.py (every file writes the
 # first; today: exit 2, '"learning_rate_te" is an option for SD 1.x/2.x ...'): strict, so it fails once they pass.
@@ -62,24 +61,6 @@ def flux_files(tmp_path_factory) -> dict[str, Path]:
     return {"@PRETRAINED_MODEL@": transformer, "@CLIP_L@": clip_l, "@T5XXL@": t5xxl, "@AE@": ae}
 
 
-def gui_values(name: str) -> dict:
-    return tomllib.loads((GUI_DIR / f"{name}.toml").read_text(encoding="utf-8"))
-
-
-def materialise(name: str, where: Path, images: Path, files: dict[str, Path]) -> Path:
-    """The GUI file with every placeholder filled in, in a fresh folder (``gui_configs.fill_model_files_config``)."""
-    return fill_model_files_config(GUI_DIR / f"{name}.toml", where, images, files, metadata=name == FINETUNE)
-
-
-def train(name: str, where: Path, images: Path, files: dict[str, Path], capsys, *extra: str) -> tuple[int, str]:
-    """One run of the GUI file as the GUI runs it: exit code, and what it printed (stderr, then stdout)."""
-    file = materialise(name, where, images, files)
-    capsys.readouterr()
-    rc = train_network.main(["--config_file", str(file), *SPEED_OVERRIDES, *extra], family="flux", script=SCRIPT)
-    captured = capsys.readouterr()
-    return rc, captured.err + captured.out
-
-
 def test_every_flux_file_is_here_with_its_header():
     found = {f"{d}/{p.stem}" for d in ("dreambooth", "finetune") for p in (GUI_DIR / d).glob("flux1_*.toml")}
     assert found == set(CONFIGS)
@@ -87,20 +68,20 @@ def test_every_flux_file_is_here_with_its_header():
         tab = "DreamBooth" if name.startswith("dreambooth/") else "Finetune"
         text = (GUI_DIR / f"{name}.toml").read_text(encoding="utf-8")
         assert text.startswith(f"# kohya_ss GUI (bmaltais/kohya_ss 45088f04), {tab} tab, FLUX.1, {SCRIPT}: ")
-        values = gui_values(name)
+        values = GUI.values(name)
         assert {values[k] for k in ("pretrained_model_name_or_path", "clip_l", "t5xxl", "ae")} == \
             {"@PRETRAINED_MODEL@", "@CLIP_L@", "@T5XXL@", "@AE@"}
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_parses_and_validates(name, tmp_path, images, flux_files, caplog):
-    file = materialise(name, tmp_path / "cfg", images, flux_files)
+    file = GUI.materialise(name, tmp_path / "cfg", images, flux_files)
     with caplog.at_level(logging.INFO, logger="library.config.cli"):
         cfg, _ = parse_args(["--config_file", str(file)], script=SCRIPT)
     gui_lines = [r.getMessage() for r in caplog.records if "kohya_ss GUI field" in r.getMessage()]
     assert len(gui_lines) == 1
     assert all(f"{k}: " in gui_lines[0] for k in GUI_ONLY[name])
-    values = gui_values(name)
+    values = GUI.values(name)
     section = cfg.family_config
     assert cfg.optimizer.learning_rate == values["learning_rate"]
     assert cfg.optimizer.optimizer_type == values["optimizer_type"]
@@ -121,9 +102,9 @@ def test_parses_and_validates(name, tmp_path, images, flux_files, caplog):
 def test_trains_two_steps_into_one_transformer_checkpoint(name, extra, tmp_path, images, flux_files, capsys):
     """2 steps, then ``output_name``.safetensors: the tiny transformer's own keys and shapes in BFL's layout (no
     text encoder, no VAE), in ``save_precision``, finite, with FLUX.1 dev's ModelSpec architecture."""
-    rc, printed = train(name, tmp_path / "run", images, flux_files, capsys, *extra)
+    rc, printed = GUI.train(name, tmp_path / "run", images, flux_files, capsys, *extra)
     assert rc == 0, printed[-2000:]
-    values = gui_values(name)
+    values = GUI.values(name)
     assert values["save_model_as"] == "safetensors"
     with safe_open(str(flux_files["@PRETRAINED_MODEL@"]), "pt") as f:
         shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
@@ -142,12 +123,12 @@ def test_memory_saving_steps_adafactor_inside_backward(tmp_path, images, flux_fi
     the transformer's weights are stepped inside backward, 32 tensors a span, in both updates."""
     from library.train.update.fused import FUSED_SPAN, FusedUpdater
 
-    values = gui_values(MEMORY_SAVING)
+    values = GUI.values(MEMORY_SAVING)
     assert values["fused_backward_pass"] and values["optimizer_type"] == "Adafactor" and values["full_bf16"]
     made: list[FusedUpdater] = []
     original = FusedUpdater.__post_init__
     monkeypatch.setattr(FusedUpdater, "__post_init__", lambda self: (original(self), made.append(self))[0])
-    rc, printed = train(MEMORY_SAVING, tmp_path / "run", images, flux_files, capsys, *NO_SWAP)
+    rc, printed = GUI.train(MEMORY_SAVING, tmp_path / "run", images, flux_files, capsys, *NO_SWAP)
     assert rc == 0, printed[-2000:]
     [updater] = made
     assert updater.span == FUSED_SPAN == 32 and updater.updates == 2
@@ -158,7 +139,7 @@ def test_memory_saving_blocks_to_swap_is_checked_against_the_model(tmp_path, ima
     """The file as written, "Blocks to swap" 18 (with its fused backward pass, as swapping trained blocks needs):
     the tiny transformer (2 double, 2 single blocks) has no block to swap, so exit code 2 with upstream's limit and
     the largest N for this model, and no checkpoint."""
-    rc, printed = train(MEMORY_SAVING, tmp_path / "run", images, flux_files, capsys)
+    rc, printed = GUI.train(MEMORY_SAVING, tmp_path / "run", images, flux_files, capsys)
     assert rc == 2
     assert "--blocks_to_swap 18: cannot swap more than 0 double blocks and 0 single blocks" in printed
     assert "The largest N for this model (2 double, 2 single blocks) is 0." in printed
